@@ -1,0 +1,90 @@
+// Torch-free parameter structs (composition, no inheritance, so that a C mirror of them is
+// straightforward) shared by the torch binding (csrc/torch_binding.cpp) and
+// the CUDA kernels. Everything is plain data: raw pointers, element strides, sizes.
+// Semantics: ../shared/docs/spec.md (a copy of the contract lives in docs/spec.md).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace cosa {
+
+// Logical block size for queries and keys (spec section 1); fixed by the method.
+constexpr int kBlockSize = 128;
+
+enum class DType : int { kBFloat16 = 0, kFloat16 = 1 };
+
+// The paged, varlen, GQA, prefix layout of spec section 1.
+// Query block numbering: sequence b owns ceil(Lq_b / 128) query blocks, numbered back to back
+// over the batch (block g of the packed numbering is block i of sequence b). The order/counts/
+// skipped tensors have `num_q_blocks` rows: an upper bound of that total that the host can
+// compute without reading cu_seqlens_q (no synchronisation). Rows past the real total are
+// padding: KAP writes count 0 and -1 entries there, OSK writes skipped = 0 there.
+struct PagedLayout {
+  // q: [total_q, num_heads_q, head_dim], head_dim contiguous.
+  const void* q = nullptr;
+  int64_t q_row_stride = 0;   // elements between consecutive tokens
+  int64_t q_head_stride = 0;  // elements between consecutive heads
+  // k_cache, v_cache: [num_pages, page_size, num_heads_kv, head_dim], head_dim contiguous.
+  const void* k_cache = nullptr;
+  int64_t k_page_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  const void* v_cache = nullptr;  // unused by KAP
+  int64_t v_page_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  // page_table: [batch, max_pages_per_seq]; token t of sequence b lives in page
+  // page_table[b * page_table_stride + t / page_size], row t % page_size.
+  const int32_t* page_table = nullptr;
+  int64_t page_table_stride = 0;
+  const int32_t* cu_seqlens_q = nullptr;  // [batch + 1]
+  const int32_t* seqused_k = nullptr;     // [batch], Lk_b >= Lq_b, (Lk_b - Lq_b) % 128 == 0
+
+  int batch = 0;
+  int num_heads_q = 0;
+  int num_heads_kv = 0;  // num_heads_q % num_heads_kv == 0; q head h reads kv head h / (Hq/Hkv)
+  int head_dim = 0;      // 64 or 128
+  int page_size = 0;     // power of two, 16..256
+  int num_pages = 0;
+  int max_pages_per_seq = 0;
+  int total_q = 0;
+  int max_seqlen_q = 0;
+  int max_seqlen_k = 0;
+  int num_q_blocks = 0;  // rows of order/counts/skipped (see above)
+  int max_k_blocks = 0;  // ceil(max_seqlen_k / 128): last dim of order
+  DType dtype = DType::kBFloat16;
+  float softmax_scale = 0.f;  // sigma
+};
+
+// KAP (spec section 2). Inputs are validated by the binding before launch.
+struct KapParams {
+  PagedLayout layout;
+  int stride = 8;        // s: divides 128
+  float top_p = 0.95f;   // (0, 1]
+  // Outputs, contiguous: order [num_heads_q, num_q_blocks, max_k_blocks] (list then -1 padding),
+  // counts [num_heads_q, num_q_blocks].
+  int32_t* order = nullptr;
+  int32_t* counts = nullptr;
+  // Scratch memory of kap_workspace_bytes(params) bytes, allocated by the caller (may be null
+  // when that size is 0). Contents on entry are undefined.
+  void* workspace = nullptr;
+};
+
+// OSK (spec section 3).
+struct OskParams {
+  PagedLayout layout;
+  const int32_t* order = nullptr;   // [num_heads_q, num_q_blocks, max_k_blocks]
+  const int32_t* counts = nullptr;  // [num_heads_q, num_q_blocks]
+  float delta = 2000.f;             // <= 0 disables the in-kernel skip
+  // out: [total_q, num_heads_q, head_dim], same dtype as q, head_dim contiguous.
+  void* out = nullptr;
+  int64_t out_row_stride = 0, out_head_stride = 0;
+  float* lse = nullptr;        // [num_heads_q, total_q], contiguous
+  int32_t* skipped = nullptr;  // [num_heads_q, num_q_blocks], contiguous
+};
+
+// Launchers: enqueue on `stream`, never synchronise, return the launch error (if any).
+size_t kap_workspace_bytes(const KapParams& params);
+cudaError_t run_kap(const KapParams& params, cudaStream_t stream);
+cudaError_t run_osk(const OskParams& params, cudaStream_t stream);
+
+}  // namespace cosa

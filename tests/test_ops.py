@@ -1,0 +1,186 @@
+"""torch.ops.cosa and the Python API: schemas, fake kernels (opcheck), the CPU path, bad inputs.
+
+The bad-input cases run on the CPU here and on the GPU (CUDA binding) with the `gpu` marker."""
+
+import math
+
+import pytest
+import torch
+
+import cosa
+from cosa import reference as R
+from cosa.testing import random_problem
+
+from helpers import dense_order, layout_args, rel_err, run_dense, run_kap, run_osk
+
+
+def small_problem(device="cpu", **kw):
+    args = dict(seqlens_q=[200, 77], seqlens_k=[200 + 128, 77], num_heads_q=4, num_heads_kv=2, head_dim=64,
+                page_size=16, dtype=torch.bfloat16, device=device, structure="mixed", seed=0)
+    args.update(kw)
+    return random_problem(args.pop("seqlens_q"), args.pop("seqlens_k"), args.pop("num_heads_q"),
+                          args.pop("num_heads_kv"), args.pop("head_dim"), **args)
+
+
+def prefill_args(p):
+    return (p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"],
+            p["max_seqlen_q"], p["max_seqlen_k"])
+
+
+def test_opcheck_all_ops(ops):
+    p = small_problem()
+    order, counts = ops.kap(*layout_args(p), 8, 0.9, None)
+    torch.library.opcheck(ops.kap.default, layout_args(p) + (8, 0.9, None))
+    torch.library.opcheck(ops.osk.default, (p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"],
+                                            p["seqused_k"], order, counts, p["max_seqlen_q"], None, 100.0))
+    torch.library.opcheck(ops.prefill.default, prefill_args(p) + (8, 0.9, None, 100.0))
+
+
+def test_cpu_ops_are_the_reference(ops):
+    p = small_problem()
+    out, lse, order, counts, skipped = ops.prefill(*prefill_args(p), 8, 0.9, None, 100.0)
+    ref_order, ref_counts = run_kap(p, top_p=0.9)
+    assert torch.equal(order, ref_order) and torch.equal(counts, ref_counts)
+    ref_out, ref_lse, ref_skipped = run_osk(p, order, counts, delta=100.0)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse) and torch.equal(skipped, ref_skipped)
+    assert out.dtype == p["q"].dtype and lse.dtype == torch.float32
+
+
+def test_python_api_defaults_and_stats(ops):
+    p = small_problem()
+    out, stats = cosa.prefill(p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"],
+                              p["seqused_k"], return_stats=True)
+    expect = ops.prefill(*prefill_args(p))
+    assert torch.equal(out, expect[0])
+    assert 0 < stats["realised_budget"] <= stats["stage1_budget"] <= 1
+    assert set(stats) >= {"lse", "order", "counts", "skipped"}
+    dense_out, _ = run_dense(p)
+    assert rel_err(out, dense_out) < 0.2
+
+
+def test_sparse_attention_is_prefill_on_a_contiguous_layout(ops):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 130, 4, 64, generator=gen).bfloat16()
+    k = torch.randn(2, 258, 2, 64, generator=gen).bfloat16()
+    v = torch.randn(2, 258, 2, 64, generator=gen).bfloat16()
+    out = cosa.sparse_attention(q, k, v, top_p=1.0, delta=0.0)
+    assert out.shape == q.shape
+    for b in range(2):
+        kk = k[b].repeat_interleave(2, 1).transpose(0, 1).float()
+        vv = v[b].repeat_interleave(2, 1).transpose(0, 1).float()
+        mask = torch.arange(258)[None, :] <= (128 + torch.arange(130))[:, None]
+        expect = torch.nn.functional.scaled_dot_product_attention(q[b].transpose(0, 1).float(), kk, vv, attn_mask=mask)
+        assert rel_err(out[b].transpose(0, 1), expect) < 1e-2
+
+
+def test_fake_kernels_trace_under_torch_compile(ops):
+    p = small_problem()
+
+    def f(q, k_cache, v_cache):
+        return ops.prefill(q, k_cache, v_cache, p["page_table"], p["cu_seqlens_q"], p["seqused_k"],
+                           p["max_seqlen_q"], p["max_seqlen_k"])[0] * 2
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(p["q"], p["k_cache"], p["v_cache"]), f(p["q"], p["k_cache"], p["v_cache"]))
+
+
+# --- bad inputs --------------------------------------------------------------------------------
+# Each case: (id, function that breaks the argument dict, exception type, text the message names).
+
+
+def _ints(values, a):
+    return torch.tensor(values, dtype=torch.int32, device=a["q"].device)
+
+
+def _both(first, second):
+    def mutate(a):
+        first(a)
+        second(a)
+    return mutate
+
+
+def _caches(change):
+    return _both(_set("k_cache", lambda a: change(a["k_cache"])), _set("v_cache", lambda a: change(a["v_cache"])))
+
+
+def _set(key, value):
+    def mutate(a):
+        a[key] = value(a) if callable(value) else value
+    return mutate
+
+
+BAD_LAYOUT = [
+    ("q_dtype", _set("q", lambda a: a["q"].float()), TypeError, "q must be bfloat16 or float16"),
+    ("q_dims", _set("q", lambda a: a["q"][:, 0]), ValueError, "q must be 3-D"),
+    ("head_dim", _set("q", lambda a: a["q"][..., :32]), ValueError, "head dim must be 64 or 128"),
+    ("k_dtype", _set("k_cache", lambda a: a["k_cache"].half()), TypeError, "k_cache must have q's dtype"),
+    ("v_shape", _set("v_cache", lambda a: a["v_cache"][:-1]), ValueError, "v_cache shape"),
+    ("page_size", _caches(lambda c: c[:, :12]), ValueError, "page size"),
+    ("gqa", _caches(lambda c: torch.cat([c, c[:, :, :1]], 2)), ValueError, "multiple of num_heads_kv"),
+    ("page_table_dtype", _set("page_table", lambda a: a["page_table"].long()), TypeError, "page_table must be int32"),
+    ("cu_seqlens_len", _set("cu_seqlens_q", lambda a: a["cu_seqlens_q"][:-1]), ValueError, "cu_seqlens_q must have"),
+    ("cu_seqlens_end", _set("cu_seqlens_q", lambda a: a["cu_seqlens_q"] - 1), ValueError, "cu_seqlens_q must start at 0"),
+    ("seqused_dtype", _set("seqused_k", lambda a: a["seqused_k"].long()), TypeError, "seqused_k must be int32"),
+    ("length_over_max", _set("cu_seqlens_q", lambda a: _ints([0, 277, 277], a)), ValueError, "more than max_seqlen_q"),
+    ("decreasing_cu_seqlens", _both(_set("cu_seqlens_q", lambda a: _ints([0, 300, 277], a)), _set("max_seqlen_q", 300)),
+     ValueError, "non-decreasing"),
+    ("kv_shorter_than_q", _set("seqused_k", lambda a: _ints([328, 76], a)), ValueError, "shorter than"),
+    ("prefix_not_multiple", _set("seqused_k", lambda a: _ints([264, 77], a)), ValueError, "multiple of 128"),
+    ("kv_over_page_table", _both(_set("seqused_k", lambda a: _ints([328, 77 + 256 * 16], a)), _set("max_seqlen_k", 5000)),
+     ValueError, "capacity"),
+    ("page_id_out_of_range", _set("page_table", lambda a: a["page_table"].masked_fill(
+        a["page_table"] == 0, a["k_cache"].shape[0] + 5)), ValueError, "page_table["),
+    ("max_seqlen_q", _set("max_seqlen_q", 0), ValueError, "max_seqlen_q"),
+    ("max_seqlen_k", _set("max_seqlen_k", 100), ValueError, "max_seqlen_k"),
+]
+BAD_TUNING = [
+    ("stride", dict(stride=3), ValueError, "stride"),
+    ("top_p_zero", dict(top_p=0.0), ValueError, "top_p"),
+    ("top_p_big", dict(top_p=1.5), ValueError, "top_p"),
+    ("delta_nan", dict(delta=math.nan), ValueError, "delta"),
+    ("scale_negative", dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+]
+
+
+def _devices():
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("case", BAD_LAYOUT, ids=[c[0] for c in BAD_LAYOUT])
+def test_bad_layout_is_a_clear_error(ops, device, case):
+    _, mutate, exc, text = case
+    p = small_problem(device=device)
+    mutate(p)
+    with pytest.raises(exc, match="cosa.prefill: .*" + text.replace("[", r"\[").replace("(", r"\(")):
+        ops.prefill(*prefill_args(p))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("case", BAD_TUNING, ids=[c[0] for c in BAD_TUNING])
+def test_bad_tuning_argument_is_a_clear_error(ops, device, case):
+    _, kwargs, exc, text = case
+    p = small_problem(device=device)
+    args = dict(stride=8, top_p=0.95, softmax_scale=None, delta=2000.0)
+    args.update(kwargs)
+    with pytest.raises(exc, match=f"cosa.prefill: {text}"):
+        ops.prefill(*prefill_args(p), args["stride"], args["top_p"], args["softmax_scale"], args["delta"])
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_bad_lists_are_a_clear_error(ops, device):
+    p = small_problem(device=device)
+    order, counts = dense_order(p)
+    base = (p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"])
+    future = order.clone()
+    future[0, 0, 0] = 5  # a key block after the query block's diagonal
+    with pytest.raises(ValueError, match=r"cosa.osk: order\[0, 0, 0\] = 5"):
+        ops.osk(*base, future, counts, p["max_seqlen_q"])
+    too_many = counts.clone()
+    too_many[1, 2] += 1
+    with pytest.raises(ValueError, match=r"cosa.osk: counts\[1, 2\]"):
+        ops.osk(*base, order, too_many, p["max_seqlen_q"])
+    with pytest.raises(ValueError, match="cosa.osk: counts must have shape"):
+        ops.osk(*base, order, counts[:, :-1], p["max_seqlen_q"])
+    with pytest.raises(TypeError, match="cosa.osk: order must be int32"):
+        ops.osk(*base, order.long(), counts, p["max_seqlen_q"])

@@ -1,0 +1,231 @@
+"""The reference against the spec's properties (docs/spec.md sections 2-3) and against exact attention."""
+
+import math
+
+import pytest
+import torch
+
+from cosa import reference as R
+from cosa.testing import random_problem
+
+from helpers import dense_order, permute_lists, query_blocks, rel_err, run_dense, run_kap, run_osk
+
+F64 = dict(dtype=torch.float64)
+
+
+def problem(seqlens_q=(300, 77), seqlens_k=(300 + 256, 77), hq=4, hkv=2, d=64, page_size=16, **kw):
+    return random_problem(list(seqlens_q), list(seqlens_k), hq, hkv, d, page_size=page_size, **{**F64, **kw})
+
+
+def test_dense_attention_matches_sdpa():
+    p = problem(seqlens_q=(200, 129, 1), seqlens_k=(456, 129, 257), hq=6, hkv=3, seed=1)
+    out, lse = run_dense(p)
+    cu, lk = p["cu_seqlens_q"].tolist(), p["seqused_k"].tolist()
+    for b in range(3):
+        lq = cu[b + 1] - cu[b]
+        k = R.gather_kv(p["k_cache"], p["page_table"], b, lk[b]).repeat_interleave(2, 1).transpose(0, 1)
+        v = R.gather_kv(p["v_cache"], p["page_table"], b, lk[b]).repeat_interleave(2, 1).transpose(0, 1)
+        q = p["q"][cu[b]:cu[b + 1]].transpose(0, 1)
+        mask = torch.arange(lk[b])[None, :] <= (lk[b] - lq + torch.arange(lq))[:, None]
+        expect = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
+        assert rel_err(out[cu[b]:cu[b + 1]], expect) < 1e-12
+        logits = (q @ k.transpose(1, 2)) / math.sqrt(q.shape[-1])
+        expect_lse = torch.logsumexp(logits.masked_fill(~mask, -math.inf), -1)
+        assert torch.allclose(lse[:, cu[b]:cu[b + 1]].double(), expect_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("structure", [None, "mixed"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])
+def test_all_blocks_without_skip_equal_dense(structure, hq, hkv):
+    p = problem(hq=hq, hkv=hkv, structure=structure, seed=hq + hkv)
+    order, counts = run_kap(p, top_p=1.0)
+    full_order, full_counts = dense_order(p)
+    assert torch.equal(counts, full_counts), "top_p = 1 must keep every causal candidate"
+    assert torch.equal(order.sort(-1).values, full_order.sort(-1).values)
+    out, lse, skipped = run_osk(p, order, counts, delta=0.0)
+    ref_out, ref_lse = run_dense(p)
+    assert rel_err(out, ref_out) < 1e-12
+    assert torch.allclose(lse, ref_lse, atol=1e-5)
+    assert int(skipped.sum()) == 0
+
+
+def test_order_invariance_without_skip():
+    p = problem(structure="mixed", seed=3)
+    order, counts = run_kap(p, top_p=0.9)
+    out, lse, _ = run_osk(p, order, counts, delta=-1.0)
+    shuffled = permute_lists(order, counts, torch.Generator().manual_seed(0))
+    assert not torch.equal(shuffled, order)
+    out2, lse2, _ = run_osk(p, shuffled, counts, delta=-1.0)
+    assert rel_err(out2, out) < 1e-12
+    assert torch.allclose(lse2, lse, atol=1e-10)
+
+
+def _block_logits(p, h, g, j):
+    """Exact scaled logits [rows, 128] of query block g (head h) against key block j."""
+    for g2, prefix, i in query_blocks(p):
+        if g2 == g:
+            break
+    cu, lk = p["cu_seqlens_q"].tolist(), p["seqused_k"].tolist()
+    b = max(x for x in range(len(lk)) if sum(R.cdiv(cu[y + 1] - cu[y], 128) for y in range(x)) <= g)
+    q0 = cu[b] + 128 * i
+    q = p["q"][q0:min(cu[b + 1], q0 + 128), h]
+    hkv = p["k_cache"].shape[2]
+    k = R.gather_kv(p["k_cache"], p["page_table"], b, lk[b])[:, h // (p["q"].shape[1] // hkv)]
+    k_pos = torch.arange(128 * j, min(lk[b], 128 * j + 128))
+    s = (q @ k[k_pos].T) / math.sqrt(q.shape[-1])
+    q_pos = prefix + 128 * i + torch.arange(q.shape[0])
+    return s.masked_fill(k_pos[None, :] > q_pos[:, None], -math.inf), lk[b]
+
+
+def test_skipped_block_never_raises_running_max():
+    p = problem(seqlens_q=(640,), seqlens_k=(1024,), hq=2, hkv=1, structure="mixed", seed=4)
+    delta = 200.0
+    order, counts = run_kap(p, top_p=1.0)
+    _, _, skipped, trace = run_osk(p, order, counts, delta=delta, return_skip_trace=True)
+    assert int(skipped.sum()) > 0, "the input must make the vote skip something"
+    assert torch.equal(trace.sum(-1, dtype=torch.int32), skipped)
+    for h in range(order.shape[0]):
+        for g in range(int((counts[h] > 0).sum())):
+            running = None
+            for k in range(int(counts[h, g])):
+                s, n = _block_logits(p, h, g, int(order[h, g, k]))
+                m_loc = s.amax(-1)
+                if trace[h, g, k]:
+                    assert k > 0
+                    assert bool((m_loc - running < math.log(delta / n)).all())
+                    assert bool((m_loc < running).all()), "a skipped block raised the running max"
+                else:
+                    running = m_loc if running is None else torch.maximum(running, m_loc)
+
+
+def test_skip_changes_output_little_and_is_off_when_delta_reaches_n():
+    p = problem(seqlens_q=(640,), seqlens_k=(1024,), hq=2, hkv=1, structure="mixed", seed=5)
+    order, counts = run_kap(p, top_p=1.0)
+    exact, _, _ = run_osk(p, order, counts, delta=0.0)
+    out, _, skipped = run_osk(p, order, counts, delta=200.0)
+    assert int(skipped.sum()) > 0
+    assert rel_err(out, exact) < 0.05
+    off, _, none_skipped = run_osk(p, order, counts, delta=1024.0)  # delta >= N: exact
+    assert int(none_skipped.sum()) == 0
+    assert torch.equal(off, exact)
+
+
+def test_hrm_first_sorted_and_forced_blocks_kept():
+    p = problem(seqlens_q=(1000, 300), seqlens_k=(1000 + 512, 300), structure="mixed", seed=6)
+    scores, hrm = R.kap_scores(p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"],
+                               p["max_seqlen_q"], p["max_seqlen_k"])
+    order, counts = run_kap(p, top_p=0.8)
+    for g, prefix, i in query_blocks(p):
+        diagonal = prefix // 128 + i
+        for h in range(order.shape[0]):
+            lst = order[h, g, :counts[h, g]].tolist()
+            assert order[h, g, counts[h, g]:].eq(-1).all()
+            assert len(set(lst)) == len(lst)
+            assert 0 in lst and diagonal in lst
+            assert all(0 <= j <= diagonal for j in lst)
+            flagged = set(torch.nonzero(hrm[h, g]).flatten().tolist())
+            assert flagged and flagged <= set(lst), "every HRM block is kept"
+            keys = [(-int(hrm[h, g, j]), -float(scores[h, g, j]), j) for j in lst]
+            assert keys == sorted(keys), "HRM first, then by score, then by block id"
+
+
+def test_top_p_prefix_matches_definition():
+    p = problem(seqlens_q=(777,), seqlens_k=(777 + 384,), structure="band", seed=7)
+    scores, hrm = R.kap_scores(p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"],
+                               p["max_seqlen_q"], p["max_seqlen_k"])
+    top_p = 0.7
+    order, counts = run_kap(p, top_p=top_p)
+    for g, prefix, i in query_blocks(p):
+        diagonal = prefix // 128 + i
+        for h in range(order.shape[0]):
+            cand = sorted(range(diagonal + 1), key=lambda j: (-int(hrm[h, g, j]), -float(scores[h, g, j]), j))
+            total = sum(float(scores[h, g, j]) for j in cand)
+            kept, acc = [], 0.0
+            for j in cand:
+                if acc < top_p * total:
+                    kept.append(j)
+                acc += float(scores[h, g, j])
+            expect = [j for j in cand if j in kept or hrm[h, g, j] or j in (0, diagonal)]
+            assert order[h, g, :counts[h, g]].tolist() == expect
+
+
+def test_stage1_budget_grows_with_top_p():
+    p = problem(seqlens_q=(1024,), seqlens_k=(2048,), structure="mixed", seed=8)
+    totals = [int(run_kap(p, top_p=t)[1].sum()) for t in (0.3, 0.6, 0.9, 0.99, 1.0)]
+    assert totals == sorted(totals) and totals[0] < totals[-1]
+    _, counts = dense_order(p)
+    assert totals[-1] == int(counts.sum())
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_paged_equals_contiguous(page_size):
+    kw = dict(seqlens_q=(300, 77), seqlens_k=(556, 77), structure="mixed", seed=9, dtype=torch.float32)
+    contiguous = problem(page_size=128, shuffle_pages=False, **kw)
+    paged = problem(page_size=page_size, shuffle_pages=True, **kw)
+    assert not torch.equal(paged["page_table"][:, :2], torch.arange(2, dtype=torch.int32).expand(2, 2))
+    lists = run_kap(contiguous, top_p=0.9)
+    for a, b in zip(lists, run_kap(paged, top_p=0.9)):
+        assert torch.equal(a, b)
+    for a, b in zip(run_osk(contiguous, *lists, delta=50.0), run_osk(paged, *lists, delta=50.0)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+def test_gqa_maps_query_head_to_its_kv_head(ratio):
+    hkv = 2
+    grouped = problem(hq=hkv * ratio, hkv=hkv, structure="mixed", seed=10)
+    expanded = dict(grouped)
+    expanded["k_cache"] = grouped["k_cache"].repeat_interleave(ratio, dim=2)
+    expanded["v_cache"] = grouped["v_cache"].repeat_interleave(ratio, dim=2)
+    lists = run_kap(grouped, top_p=0.9)
+    for a, b in zip(lists, run_kap(expanded, top_p=0.9)):
+        assert torch.equal(a, b)
+    for a, b in zip(run_osk(grouped, *lists, delta=100.0), run_osk(expanded, *lists, delta=100.0)):
+        assert torch.allclose(a.double(), b.double(), atol=1e-12)
+
+
+def test_varlen_batch_equals_sequences_alone():
+    seqlens_q, seqlens_k = [131, 1, 255, 129], [131 + 128, 1, 255, 129 + 384]
+    batch = problem(seqlens_q=seqlens_q, seqlens_k=seqlens_k, structure="mixed", seed=11, dtype=torch.float32)
+    order, counts = run_kap(batch, top_p=0.9)
+    out, lse, skipped = run_osk(batch, order, counts, delta=100.0)
+    cu = batch["cu_seqlens_q"].tolist()
+    g0 = 0
+    for b, (lq, lk) in enumerate(zip(seqlens_q, seqlens_k)):
+        nq = R.cdiv(lq, 128)
+        one = dict(q=batch["q"][cu[b]:cu[b + 1]], k_cache=batch["k_cache"], v_cache=batch["v_cache"],
+                   page_table=batch["page_table"][b:b + 1], cu_seqlens_q=torch.tensor([0, lq], dtype=torch.int32),
+                   seqused_k=torch.tensor([lk], dtype=torch.int32), max_seqlen_q=lq, max_seqlen_k=lk)
+        o1, c1 = run_kap(one, top_p=0.9)
+        assert torch.equal(c1, counts[:, g0:g0 + nq])
+        assert torch.equal(o1, order[:, g0:g0 + nq, :o1.shape[2]])
+        out1, lse1, sk1 = run_osk(one, o1, c1, delta=100.0)
+        assert torch.equal(out1, out[cu[b]:cu[b + 1]])
+        assert torch.equal(lse1, lse[:, cu[b]:cu[b + 1]])
+        assert torch.equal(sk1, skipped[:, g0:g0 + nq])
+        g0 += nq
+
+
+def test_padding_rows_are_empty():
+    p = problem(seqlens_q=(200, 100), seqlens_k=(200, 228), seed=12)
+    assert R.num_q_blocks_bound(300, 2, 200) == 4  # 3 real query blocks + 1 padding row
+    order, counts = run_kap(p)
+    assert counts.shape[1] == 4 and int(counts[:, 3].abs().sum()) == 0 and bool(order[:, 3].eq(-1).all())
+    _, _, skipped = run_osk(p, order, counts)
+    assert int(skipped[:, 3].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("stride", [1, 4, 16, 128])
+def test_every_stride_keeps_dense_semantics_at_top_p_one(stride):
+    p = problem(seed=13)
+    order, counts = run_kap(p, top_p=1.0, stride=stride)
+    assert torch.equal(counts, dense_order(p)[1])
+
+
+def test_kap_finds_needles():
+    p = random_problem([2048], [2048], 4, 1, 128, dtype=torch.float32, structure="needles", seed=14)
+    order, counts = run_kap(p, top_p=0.9)
+    dense = dense_order(p)[1]
+    assert int(counts.sum()) < 0.6 * int(dense.sum()), "needles alone should need few blocks"
+    out, _, _ = run_osk(p, order, counts, delta=0.0)
+    assert rel_err(out, run_dense(p)[0]) < 0.05
