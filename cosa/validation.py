@@ -155,6 +155,9 @@ def check_order(op, q, order, counts, cu_seqlens_q, seqused_k, max_seqlen_q):
     if bool(((counts < 0) | (counts > diagonal + 1)).any()):
         h, g = ((counts < 0) | (counts > diagonal + 1)).nonzero()[0].tolist()
         _fail(op, f"counts[{h}, {g}] = {int(counts[h, g])} is outside [0, {int(diagonal[g]) + 1}]")
+    if bool((counts > order.shape[2]).any()):
+        h, g = (counts > order.shape[2]).nonzero()[0].tolist()
+        _fail(op, f"counts[{h}, {g}] = {int(counts[h, g])} exceeds order's row length {order.shape[2]}")
     listed = torch.arange(order.shape[2], device=q.device)[None, None, :] < counts[..., None]
     bad = listed & ((order < 0) | (order > diagonal[None, :, None]))
     if bool(bad.any()):

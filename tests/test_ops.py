@@ -180,6 +180,8 @@ def test_bad_lists_are_a_clear_error(ops, device):
     too_many[1, 2] += 1
     with pytest.raises(ValueError, match=r"cosa.osk: counts\[1, 2\]"):
         ops.osk(*base, order, too_many, p["max_seqlen_q"])
+    with pytest.raises(ValueError, match=r"cosa.osk: counts\[0, 0\] = 2 exceeds order's row length 1"):
+        ops.osk(*base, order[:, :, :1].contiguous(), counts, p["max_seqlen_q"])
     with pytest.raises(ValueError, match="cosa.osk: counts must have shape"):
         ops.osk(*base, order, counts[:, :-1], p["max_seqlen_q"])
     with pytest.raises(TypeError, match="cosa.osk: order must be int32"):

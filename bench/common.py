@@ -1,0 +1,174 @@
+"""Helpers shared by the benchmarks: run metadata, timing, progress lines, tables, JSON.
+
+Nothing here imports `cosa`: the dense and FlexAttention rows must run on a machine where the
+extension is not built.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+_START = time.monotonic()
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr, prefixed with the seconds since the script started."""
+    print(f"[{time.monotonic() - _START:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def require_cuda(what: str) -> None:
+    """Exit with status 2 and a one-line reason when no CUDA device is visible."""
+    if not torch.cuda.is_available():
+        print(f"{what} needs a CUDA GPU (an NVIDIA H200 for the published numbers); "
+              "torch.cuda.is_available() is False on this machine.", file=sys.stderr)
+        sys.exit(2)
+
+
+def git_commit() -> str:
+    """The checkout's commit (with '-dirty' when tracked files changed), else $COSA_COMMIT,
+    else 'unknown' (the GPU machine receives the working tree without its .git)."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("COSA_COMMIT", "unknown")
+
+
+def run_metadata() -> dict:
+    """Device, library versions, commit and date of this run (the head of every results file)."""
+    meta = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = None
+    return meta
+
+
+def results_path(out_dir: str | os.PathLike, prefix: str, meta: dict) -> Path:
+    """`<out_dir>/<prefix>-<UTC date and time>-<short sha>.json`."""
+    stamp = _dt.datetime.fromisoformat(meta["date"]).strftime("%Y%m%d-%H%M%S")
+    short = meta["commit"][:8] if meta["commit"] != "unknown" else "nocommit"
+    return Path(out_dir) / f"{prefix}-{stamp}-{short}.json"
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Write atomically, so that a run killed mid-write leaves the previous complete file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _cuda_event_median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median time of `fn` in milliseconds: `triton.testing.do_bench` (which also flushes the L2
+    cache between calls), or CUDA events when Triton is missing."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        fn()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        once = max(start.elapsed_time(end), 1e-3)
+        return _cuda_event_median_ms(fn, warmup=max(1, int(warmup_ms / once)),
+                                     reps=max(3, int(rep_ms / once)))
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+class Rotation:
+    """Cycles through several input sets so that repeated calls do not find their inputs in
+    L2; one set when a set is already well over the cache."""
+
+    def __init__(self, make_set: Callable[[int], object], set_bytes: int, max_sets: int = 4):
+        l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+        count = 1 if set_bytes >= 2 * l2 else min(max_sets, -(-2 * l2 // max(set_bytes, 1)))
+        self.sets = [make_set(i) for i in range(count)]
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.sets)
+
+    @property
+    def first(self):
+        return self.sets[0]
+
+    def take(self):
+        item = self.sets[self._next % len(self.sets)]
+        self._next += 1
+        return item
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float32; NaN anywhere gives NaN (it never passes a check)."""
+    out = out.float()
+    ref = ref.float()
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value == 0.0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.1f}"
+        if abs(value) >= 0.01:
+            return f"{value:.3g}"
+        return f"{value:.2e}"
+    return str(value)
+
+
+def format_table(rows: Iterable[dict], columns: Sequence[str]) -> str:
+    """A plain fixed-width table of `columns` (missing keys print as '-')."""
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)

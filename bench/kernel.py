@@ -1,0 +1,657 @@
+#!/usr/bin/env python3
+"""Kernel microbenchmark: one attention layer (batch 1, Hq 32, Hkv 8, d 128, bf16, causal,
+page size 128) at several context lengths, CoSA's kernels side by side with the dense anchors
+(SDPA flash and cuDNN) and the block-sparse peer (FlexAttention on identical block lists).
+
+Rows (bench/README.md says what each one means and how the derived numbers are defined):
+  dense  sdpa-flash, sdpa-cudnn                      anchors, every causal block
+  flex   dense, random-<B>%                          BlockMask.from_kv_blocks on explicit lists
+  osk    dense, random-<B>%                          the same lists, skip off (delta = 0)
+  osk    skipcost-full / -first / -skip              the cost of an in-kernel skipped block
+  osk    causal+skip                                 every causal block, ascending, delta 2000, structured input
+  kap    stride-<s>                                  the whole proxy (scores, sort, top-p, lists)
+  cosa   prefill                                     KAP + OSK with skip, structured input
+The osk/kap/cosa rows appear only when torch.ops.cosa has CUDA kernels. Every sparse row is
+checked in the same run against a float32 reference restricted to the same block lists.
+
+    python bench/kernel.py [--n 8192 32768 65536 131072] [--budgets 0.25 0.5 0.75 1.0]
+                           [--strides 4 8 16] [--only dense,flex,osk,kap,cosa] [--quick]
+                           [--plot] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (REPO_ROOT, Rotation, format_table, progress, relative_error,  # noqa: E402
+                    require_cuda, results_path, run_metadata, time_ms, write_json)
+
+BLOCK = 128
+CONFIG = {"batch": 1, "hq": 32, "hkv": 8, "d": 128, "dtype": "bfloat16", "page_size": 128}
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+SECTIONS = ("dense", "flex", "osk", "kap", "cosa")
+DEFAULT_N = (8192, 32768, 65536, 131072)
+QUICK_N = (2048, 4096)
+SKIP_DELTA = 2000.0  # the paper's Qwen3-8B operating point, CoSA's default
+# Planted amplitude for the skip-cost input: a block-0 logit of about sigma * A^2 = 22.6 against
+# about 5 for the best random key, a margin far past |tau| = ln(N / delta) <= 4.2 at N <= 128K,
+# so every block after block 0 is skipped.
+DOMINANT_AMPLITUDE = 16.0
+TABLE_COLUMNS = ("kind", "impl", "n", "budget", "realised", "delta", "ms", "tflops", "x_cudnn",
+                 "frac_of_cudnn", "rel_err", "note")
+
+
+# ---------------------------------------------------------------------------------------------
+# Block lists: order [Hq, nq, nk] int32 (list, then -1), counts [Hq, nq] int32, batch 1, no prefix
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_lists(nq: int, hq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every causal block of every query block, ascending (the same lists as
+    cosa.reference.causal_order for one sequence without prefix)."""
+    j = torch.arange(nq, device=device, dtype=torch.int32)
+    order = torch.where(j[None, :] <= j[:, None], j[None, :], -1)
+    return (order.unsqueeze(0).expand(hq, nq, nq).contiguous(),
+            (j + 1).unsqueeze(0).expand(hq, nq).contiguous())
+
+
+def random_lists(nq: int, hq: int, budget: float, generator: torch.Generator):
+    """Per (head, query block i): round(budget * (i + 1)) causal blocks, at least block 0 and the
+    diagonal block i, the others drawn uniformly without replacement; ascending."""
+    device = generator.device
+    i = torch.arange(nq, device=device)
+    keys = torch.rand((hq, nq, nq), generator=generator, device=device)
+    forced = (i[None, :] == 0) | (i[None, :] == i[:, None])
+    keys = torch.where(forced, -1.0, keys)               # forced blocks sort first
+    keys = torch.where(i[None, :] > i[:, None], 2.0, keys)  # non-causal blocks sort last
+    ranked = keys.argsort(dim=-1)
+    del keys
+    counts = torch.maximum(torch.round(budget * (i + 1)), torch.clamp(i + 1, max=2)).clamp(max=i + 1)
+    keep = i[None, None, :] < counts[None, :, None]
+    chosen = torch.where(keep, ranked, nq).sort(dim=-1).values
+    order = torch.where(chosen == nq, -1, chosen).to(torch.int32)
+    return order, counts.to(torch.int32).unsqueeze(0).expand(hq, nq).contiguous()
+
+
+def block_flops(counts: torch.Tensor, skipped: torch.Tensor | None = None) -> float:
+    """FLOPs of the blocks a kernel computes: 4 * 128 * 128 * d per block (QK^T and PV), the
+    diagonal block of each non-empty row counted as half (it is causal-masked)."""
+    computed = int(counts.sum()) - (int(skipped.sum()) if skipped is not None else 0)
+    diagonals = int((counts > 0).sum())
+    return 4.0 * BLOCK * BLOCK * CONFIG["d"] * (computed - 0.5 * diagonals)
+
+
+def causal_blocks(nq: int, hq: int) -> int:
+    return hq * nq * (nq + 1) // 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Float32 reference on sampled query blocks, restricted to a block list
+# ---------------------------------------------------------------------------------------------
+
+
+def sampled_blocks(nq: int) -> list[int]:
+    """Query blocks checked against the float32 reference: first, two inner, last (all heads).
+    The last one sees every key, so an error anywhere along the sequence shows up."""
+    return sorted({0, nq // 3, (2 * nq) // 3, nq - 1})
+
+
+def reference_rows(q, k, v, order, counts, blocks, scale):
+    """Float32 attention of query blocks `blocks` (every head) over the key blocks listed in
+    order/counts, causal inside the diagonal block. q [N, Hq, d]; k, v [N, Hkv, d] (contiguous,
+    batch 1, no prefix). Returns [len(blocks) * 128, Hq, d] float32 (rows past N dropped)."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    outs = []
+    for i in blocks:
+        r0, r1 = i * BLOCK, min(n, (i + 1) * BLOCK)
+        end = r1  # causal: no key past the last query of the block
+        qi = q[r0:r1].float().permute(1, 0, 2).reshape(hkv, group, r1 - r0, d)
+        ki = k[:end].float().permute(1, 2, 0)  # [Hkv, d, end]
+        vi = v[:end].float().permute(1, 0, 2)  # [Hkv, end, d]
+        s = scale * torch.matmul(qi, ki.unsqueeze(1))  # [Hkv, G, rows, end]
+        listed = order[:, i, :].long()
+        hits = torch.zeros((hq, i + 1), dtype=torch.int32, device=q.device)
+        hits.scatter_add_(1, listed.clamp(min=0)[:, : i + 1],
+                          (listed[:, : i + 1] >= 0).to(torch.int32))
+        allowed = (hits > 0).repeat_interleave(BLOCK, dim=1)[:, :end].reshape(hkv, group, 1, end)
+        key_pos = torch.arange(end, device=q.device)
+        causal = key_pos[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
+        s = s.masked_fill(~(allowed & causal), -math.inf)
+        p = torch.softmax(s, dim=-1)
+        del s
+        o = torch.matmul(p, vi.unsqueeze(1))  # [Hkv, G, rows, d]
+        outs.append(o.reshape(hq, r1 - r0, d).permute(1, 0, 2))
+        del p
+    return torch.cat(outs)
+
+
+def rows_of(out: torch.Tensor, blocks, n: int) -> torch.Tensor:
+    """The rows of `out [N, Hq, d]` that reference_rows computes."""
+    return torch.cat([out[i * BLOCK:min(n, (i + 1) * BLOCK)] for i in blocks])
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class InputSet:
+    """One input of one size in every layout a row needs (views share storage)."""
+    q: torch.Tensor                    # [N, Hq, d]
+    k: torch.Tensor                    # [N, Hkv, d]
+    v: torch.Tensor
+    k_rep: torch.Tensor | None = None  # [N, Hq, d]: cuDNN has no GQA path in SDPA
+    v_rep: torch.Tensor | None = None
+    flex_qkv: tuple | None = None      # contiguous [1, H, N, d] copies, FlexAttention's own layout
+    k_cache: torch.Tensor | None = None  # [pages, 128, Hkv, d], pages shuffled
+    v_cache: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
+
+    @staticmethod
+    def bhsd_view(t: torch.Tensor) -> torch.Tensor:
+        """[N, H, d] viewed as SDPA's [1, H, N, d]; the token-major storage is what FlashAttention
+        and cuDNN read natively."""
+        return t.transpose(0, 1).unsqueeze(0)
+
+
+def random_set(n: int, seed: int, want_repeated: bool, want_flex: bool, want_paged: bool,
+               cosa_mod) -> InputSet:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    hq, hkv, d = CONFIG["hq"], CONFIG["hkv"], CONFIG["d"]
+    s = InputSet(q=torch.randn((n, hq, d), generator=gen, device=DEVICE, dtype=DTYPE),
+                 k=torch.randn((n, hkv, d), generator=gen, device=DEVICE, dtype=DTYPE),
+                 v=torch.randn((n, hkv, d), generator=gen, device=DEVICE, dtype=DTYPE))
+    if want_repeated:
+        s.k_rep = s.k.repeat_interleave(hq // hkv, dim=1)
+        s.v_rep = s.v.repeat_interleave(hq // hkv, dim=1)
+    if want_flex:
+        s.flex_qkv = tuple(s.bhsd_view(t).contiguous() for t in (s.q, s.k, s.v))
+    if want_paged:
+        attach_paged(s, n, seed, cosa_mod)
+    return s
+
+
+def attach_paged(s: InputSet, n: int, seed: int, cosa_mod) -> None:
+    s.k_cache, s.v_cache, s.page_table = cosa_mod.testing.paged_kv(
+        s.k, s.v, [n], CONFIG["page_size"], shuffle=True,
+        generator=torch.Generator().manual_seed(seed))
+    s.cu_seqlens_q = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    s.seqused_k = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+
+
+def structured_set(n: int, seed: int, cosa_mod) -> InputSet:
+    """cosa.testing.random_problem(structure="mixed"): sinks, a local band and needles."""
+    p = cosa_mod.testing.random_problem([n], [n], CONFIG["hq"], CONFIG["hkv"], CONFIG["d"],
+                                        CONFIG["page_size"], DTYPE, DEVICE, structure="mixed",
+                                        seed=seed)
+    gather = cosa_mod.reference.gather_kv
+    return InputSet(q=p["q"], k=gather(p["k_cache"], p["page_table"], 0, n),
+                    v=gather(p["v_cache"], p["page_table"], 0, n), k_cache=p["k_cache"],
+                    v_cache=p["v_cache"], page_table=p["page_table"],
+                    cu_seqlens_q=p["cu_seqlens_q"], seqused_k=p["seqused_k"])
+
+
+def dominant_first_block_set(base: InputSet, n: int, seed: int, cosa_mod) -> InputSet:
+    """Random q, k, v with key block 0 planted so that its logits dominate every query's: each
+    query gets +A*u_g (u_g a unit vector per KV head g), keys lose their u_g component except
+    block 0, which becomes A*u_g plus a little noise. OSK with skip on then skips every block
+    that follows block 0 in an ascending list."""
+    hq, hkv, d = CONFIG["hq"], CONFIG["hkv"], CONFIG["d"]
+    gen = torch.Generator(device=DEVICE).manual_seed(seed + 7919)
+    u = torch.nn.functional.normalize(torch.randn((hkv, d), generator=gen, device=DEVICE), dim=-1)
+    q = base.q.float() + DOMINANT_AMPLITUDE * u.repeat_interleave(hq // hkv, dim=0)
+    k = base.k.float()
+    k = k - (k * u).sum(-1, keepdim=True) * u
+    k[:BLOCK] = DOMINANT_AMPLITUDE * u + 0.1 * k[:BLOCK]
+    s = InputSet(q=q.to(DTYPE), k=k.to(DTYPE), v=base.v)
+    attach_paged(s, n, seed, cosa_mod)
+    return s
+
+
+def set_bytes(n: int, repeated: bool, flex: bool, paged: bool) -> int:
+    hq, hkv, d = CONFIG["hq"], CONFIG["hkv"], CONFIG["d"]
+    per_token = (hq * d + 2 * hkv * d) * (2 if flex else 1) + (2 * hq * d if repeated else 0) \
+        + (2 * hkv * d if paged else 0)
+    return 2 * n * per_token
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations
+# ---------------------------------------------------------------------------------------------
+
+
+def sdpa(backend, q4, k4, v4, gqa: bool):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=gqa)
+
+
+_FLEX = None
+
+
+def causal_mask_mod(b, h, q_idx, kv_idx):
+    """Flex mask of the partial (diagonal) blocks; one module-level function so that every
+    BlockMask carries the same mask_mod and the compiled kernel is reused."""
+    return q_idx >= kv_idx
+
+
+def flex_attention_compiled():
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        # Static shapes: one compile per context length (a few seconds each), each kernel
+        # specialised to its length, as a serving engine that compiles per bucket would run it.
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def flex_block_mask(order: torch.Tensor, counts: torch.Tensor):
+    """BlockMask with the diagonal block as the one partial (causal-masked) block of each row and
+    the rest of the list as full blocks. Needs ascending lists ending with the diagonal."""
+    from torch.nn.attention.flex_attention import BlockMask
+    hq, nq, nk = order.shape
+    diagonal = torch.arange(nq, device=order.device, dtype=torch.int32)
+    last = order.gather(2, (counts - 1).clamp(min=0).long().unsqueeze(-1)).squeeze(-1)
+    if not torch.equal(last, diagonal.expand(hq, nq)):
+        raise ValueError("flex_block_mask needs ascending lists that end with the diagonal block")
+    partial_idx = torch.zeros((1, hq, nq, nk), dtype=torch.int32, device=order.device)
+    partial_idx[..., 0] = diagonal
+    return BlockMask.from_kv_blocks(
+        torch.ones((1, hq, nq), dtype=torch.int32, device=order.device), partial_idx,
+        (counts - 1).unsqueeze(0).contiguous(), order.clamp(min=0).unsqueeze(0).contiguous(),
+        BLOCK_SIZE=BLOCK, mask_mod=causal_mask_mod)
+
+
+def load_cosa():
+    """(cosa module or None, {op: None if it has a working CUDA kernel else the reason})."""
+    reasons = {op: "cosa is not importable" for op in ("osk", "kap", "prefill")}
+    sys.path.insert(0, str(REPO_ROOT))
+    try:
+        import cosa
+    except (ImportError, OSError, RuntimeError) as error:
+        return None, {op: f"import cosa failed: {error}" for op in reasons}
+    if not getattr(cosa, "_C_AVAILABLE", False):
+        return cosa, {op: f"cosa._C not built ({cosa._C_IMPORT_ERROR})" for op in reasons}
+    probe = cosa.testing.random_problem([256], [256], 4, 1, CONFIG["d"], CONFIG["page_size"], DTYPE,
+                                        DEVICE, seed=1)
+    args = (probe["q"], probe["k_cache"], probe["v_cache"], probe["page_table"],
+            probe["cu_seqlens_q"], probe["seqused_k"])
+    order, counts = cosa.reference.causal_order(probe["cu_seqlens_q"], probe["seqused_k"], 4, 256, 256, 256)
+    calls = {
+        "osk": lambda: torch.ops.cosa.osk(*args, order, counts, 256, None, 0.0),
+        "kap": lambda: torch.ops.cosa.kap(args[0], args[1], args[3], args[4], args[5], 256, 256, 8, 0.95, None),
+        "prefill": lambda: torch.ops.cosa.prefill(*args, 256, 256, 8, 0.95, None, SKIP_DELTA),
+    }
+    for op, call in calls.items():
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"cosa::{op}", "CUDA"):
+            reasons[op] = f"cosa::{op} has no CUDA kernel registered"
+            continue
+        try:
+            call()
+            torch.cuda.synchronize()
+            reasons[op] = None
+        except (NotImplementedError, RuntimeError, AttributeError) as error:
+            reasons[op] = f"cosa::{op} probe failed: {str(error).splitlines()[0]}"
+    return cosa, reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args, meta, cosa_mod, reasons, json_path):
+        self.args = args
+        self.meta = meta
+        self.cosa = cosa_mod
+        self.reasons = reasons
+        self.json_path = json_path
+        self.rows: list[dict] = []
+        self.failures: list[str] = []
+        self.scale = 1.0 / math.sqrt(CONFIG["d"])
+
+    def want(self, section: str) -> bool:
+        return section in self.args.only
+
+    def has(self, op: str) -> bool:
+        return self.reasons.get(op) is None
+
+    def add(self, kind, impl, n, ms, flops=None, budget=None, delta=None, rel_err=None, **extra):
+        row = {"kind": kind, "impl": impl, "n": n, "budget": budget, "delta": delta, "ms": ms,
+               "tflops": (flops / (ms * 1e-3) / 1e12) if flops is not None else None,
+               "rel_err": rel_err, **extra}
+        self.rows.append(row)
+        parts = [f"{kind}/{impl} n={n}", f"{ms:.3f} ms"]
+        if row["tflops"] is not None:
+            parts.append(f"{row['tflops']:.0f} TFLOP/s")
+        if rel_err is not None:
+            parts.append(f"rel_err {rel_err:.2e}")
+        progress("  " + ", ".join(parts))
+        return row
+
+    def guarded(self, label: str, fn, *a):
+        """Run one group of rows; a failure (an out-of-memory, a kernel error) is reported and the
+        run goes on with the next group."""
+        try:
+            fn(*a)
+        except Exception as error:  # noqa: BLE001  (report and continue: one bad row must not end a long run)
+            detail = " ".join(str(error).split())[:300]
+            message = f"{label}: {type(error).__name__}: {detail}"
+            self.failures.append(message)
+            progress("  FAILED " + message)
+            traceback.print_exc(file=sys.stderr)
+
+    def save(self):
+        write_json(self.json_path, {**self.meta, "config": CONFIG, "rows": self.rows,
+                                    "failures": self.failures})
+
+    # -- one context length -------------------------------------------------------------------
+
+    def run_size(self, n: int):
+        hq = CONFIG["hq"]
+        nq = -(-n // BLOCK)
+        progress(f"n={n}: inputs")
+        paged = self.cosa is not None and any(self.want(op) and self.has(op) for op in ("osk", "kap"))
+        repeated = self.want("dense")
+        sets = Rotation(lambda i: random_set(n, 1000 * i + n, repeated, self.want("flex"), paged, self.cosa),
+                        set_bytes(n, repeated, self.want("flex"), paged))
+        ctx = {"sets": sets, "blocks": sampled_blocks(nq), "nq": nq, "n": n}
+        ctx["causal"] = causal_lists(nq, hq, DEVICE)
+        ctx["ref_dense"] = reference_rows(sets.first.q, sets.first.k, sets.first.v, *ctx["causal"],
+                                          ctx["blocks"], self.scale)
+        if self.want("dense"):
+            self.guarded(f"dense n={n}", self.dense_rows, ctx)
+        if self.want("flex") or (paged and self.want("osk")):
+            for budget in self.args.budgets:
+                self.guarded(f"lists {budget:g} n={n}", self.list_rows, ctx, budget)
+        if paged and self.want("osk") and self.has("osk"):
+            self.guarded(f"osk skip cost n={n}", self.skip_cost_rows, ctx)
+        ctx.pop("dense_out", None)
+        if self.cosa is not None and ((self.want("osk") and self.has("osk"))
+                                      or (self.want("cosa") and self.has("prefill"))):
+            self.guarded(f"structured n={n}", self.structured_rows, ctx)
+        if self.want("kap") and self.cosa is not None and self.has("kap"):
+            self.guarded(f"kap n={n}", self.kap_rows, ctx)
+        del ctx, sets
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def dense_rows(self, ctx):
+        n, sets, blocks = ctx["n"], ctx["sets"], ctx["blocks"]
+        flops = 4.0 * CONFIG["hq"] * CONFIG["d"] * n * n / 2
+        first = sets.first
+        # Flash: native GQA when this torch's flash backend takes enable_gqa, else repeated heads.
+        try:
+            flash_args = lambda s: (s.bhsd_view(s.q), s.bhsd_view(s.k), s.bhsd_view(s.v), True)  # noqa: E731
+            out = sdpa(SDPBackend.FLASH_ATTENTION, *flash_args(first))
+            flash_note = "enable_gqa"
+        except RuntimeError:
+            flash_args = lambda s: (s.bhsd_view(s.q), s.bhsd_view(s.k_rep), s.bhsd_view(s.v_rep), False)  # noqa: E731
+            flash_note = "repeated kv heads"
+            out = sdpa(SDPBackend.FLASH_ATTENTION, *flash_args(first))
+        err = relative_error(rows_of(out[0].transpose(0, 1), blocks, n), ctx["ref_dense"])
+        del out
+        ms = time_ms(lambda: sdpa(SDPBackend.FLASH_ATTENTION, *flash_args(sets.take())))
+        self.add("dense", "sdpa-flash", n, ms, flops, budget=1.0, rel_err=err, note=flash_note)
+
+        cudnn_args = lambda s: (s.bhsd_view(s.q), s.bhsd_view(s.k_rep), s.bhsd_view(s.v_rep), False)  # noqa: E731
+        out = sdpa(SDPBackend.CUDNN_ATTENTION, *cudnn_args(first))
+        ctx["dense_out"] = out[0].transpose(0, 1)  # [N, Hq, d] view, kept for OSK dense mode
+        err = relative_error(rows_of(ctx["dense_out"], blocks, n), ctx["ref_dense"])
+        ms = time_ms(lambda: sdpa(SDPBackend.CUDNN_ATTENTION, *cudnn_args(sets.take())))
+        self.add("dense", "sdpa-cudnn", n, ms, flops, budget=1.0, rel_err=err, note="repeated kv heads")
+
+    def list_rows(self, ctx, budget: float):
+        """Flex and OSK (skip off) on one set of lists: the causal lists at budget 1, else random."""
+        n, nq, sets, blocks = ctx["n"], ctx["nq"], ctx["sets"], ctx["blocks"]
+        hq = CONFIG["hq"]
+        if budget >= 1.0:
+            order, counts = ctx["causal"]
+            impl, ref = "dense", ctx["ref_dense"]
+        else:
+            gen = torch.Generator(device=DEVICE).manual_seed(int(budget * 1e6) + n)
+            order, counts = random_lists(nq, hq, budget, gen)
+            impl = f"random-{budget * 100:g}%"
+            first = sets.first
+            ref = reference_rows(first.q, first.k, first.v, order, counts, blocks, self.scale)
+        actual = int(counts.sum()) / causal_blocks(nq, hq)
+        flops = block_flops(counts)
+        flex_out = None
+        if self.want("flex"):
+            mask = flex_block_mask(order, counts)
+            flex = flex_attention_compiled()
+            first = sets.first
+            run = lambda s: flex(*s.flex_qkv, block_mask=mask, enable_gqa=True)  # noqa: E731
+            if "flex_compiled" not in ctx:
+                progress(f"  flex n={n}: first call (torch.compile traces and compiles this shape)")
+                ctx["flex_compiled"] = True
+            flex_out = run(first)[0].transpose(0, 1)
+            err = relative_error(rows_of(flex_out, blocks, n), ref)
+            ms = time_ms(lambda: run(sets.take()))
+            self.add("flex", impl, n, ms, flops, budget=actual, rel_err=err)
+            del mask
+        if self.want("osk") and self.has("osk") and sets.first.k_cache is not None:
+            if budget >= 1.0:
+                # OSK's dense mode runs on the contract's causal lists; they must equal ours.
+                first = sets.first
+                ref_order, ref_counts = self.cosa.reference.causal_order(
+                    first.cu_seqlens_q, first.seqused_k, hq, n, n, n)
+                if not (torch.equal(ref_order, order) and torch.equal(ref_counts, counts)):
+                    raise AssertionError("causal lists differ from cosa.reference.causal_order")
+            run = lambda s: torch.ops.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
+                                               s.seqused_k, order, counts, n, None, 0.0)
+            out, _, skipped = run(sets.first)
+            err = relative_error(rows_of(out, blocks, n), ref)
+            peer, peer_name = (ctx.get("dense_out"), "sdpa-cudnn") if budget >= 1.0 else (flex_out, "flex")
+            peer_err = relative_error(out, peer) if peer is not None else None
+            del out
+            ms = time_ms(lambda: run(sets.take()))
+            self.add("osk", impl, n, ms, flops, budget=actual, delta=0.0, rel_err=err,
+                     rel_err_peer=peer_err, peer=peer_name if peer is not None else None,
+                     skipped=int(skipped.sum()))
+
+    def skip_cost_rows(self, ctx):
+        """Cost of an in-kernel skipped block against a computed one, on one input where every
+        block after block 0 is skipped (dominant_first_block_set):
+            t_full  = OSK, every causal block, skip off (delta = 0)
+            t_skip  = the same lists, skip on (delta = 2000): block 0 computed, the rest skipped
+            t_first = lists holding block 0 only, skip off
+            skip_cost = (t_skip - t_first) / (t_full - t_first)
+        i.e. the time of the skipped blocks over the time of the same blocks computed."""
+        n, nq, sets = ctx["n"], ctx["nq"], ctx["sets"]
+        hq = CONFIG["hq"]
+        if not 0 < SKIP_DELTA < n:
+            progress(f"  osk/skipcost n={n}: skipped (delta {SKIP_DELTA:g} >= N turns the skip off)")
+            return
+        s = dominant_first_block_set(sets.first, n, n, self.cosa)
+        order, counts = ctx["causal"]
+        first_order = torch.full_like(order, -1)
+        first_order[..., 0] = 0
+        first_counts = torch.ones_like(counts)
+        run = lambda o, c, delta: torch.ops.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table,  # noqa: E731
+                                                     s.cu_seqlens_q, s.seqused_k, o, c, n, None, delta)
+        out_full, _, _ = run(order, counts, 0.0)
+        out_skip, _, skipped = run(order, counts, SKIP_DELTA)
+        skip_frac = int(skipped.sum()) / max(1, int((counts - 1).sum()))
+        err = relative_error(out_skip, out_full)
+        del out_full, out_skip
+        t_full = time_ms(lambda: run(order, counts, 0.0))
+        t_skip = time_ms(lambda: run(order, counts, SKIP_DELTA))
+        t_first = time_ms(lambda: run(first_order, first_counts, 0.0))
+        cost = (t_skip - t_first) / (t_full - t_first) if t_full > t_first else None
+        self.add("osk", "skipcost-full", n, t_full, block_flops(counts), budget=1.0, delta=0.0)
+        self.add("osk", "skipcost-first", n, t_first, block_flops(first_counts),
+                 budget=int(first_counts.sum()) / causal_blocks(nq, hq), delta=0.0)
+        self.add("osk", "skipcost-skip", n, t_skip, block_flops(counts, skipped), budget=1.0,
+                 delta=SKIP_DELTA, rel_err=err, realised=1.0 - int(skipped.sum()) / int(counts.sum()),
+                 skipped_fraction=skip_frac, skip_cost=cost,
+                 note=f"skip cost {cost:.2f} of a computed block" if cost is not None else None)
+
+    def structured_rows(self, ctx):
+        """OSK with skip over every causal block (ascending order), and CoSA end to end, on the
+        structured input; errors are against exact dense attention."""
+        n, nq, blocks = ctx["n"], ctx["nq"], ctx["blocks"]
+        hq = CONFIG["hq"]
+        progress(f"n={n}: structured inputs")
+        sets = Rotation(lambda i: structured_set(n, 31 * i + 5, self.cosa), set_bytes(n, False, False, True))
+        first = sets.first
+        ref = reference_rows(first.q, first.k, first.v, *ctx["causal"], blocks, self.scale)
+        total = causal_blocks(nq, hq)
+        if self.want("osk") and self.has("osk"):
+            order, counts = ctx["causal"]
+            run = lambda s: torch.ops.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
+                                               s.seqused_k, order, counts, n, None, SKIP_DELTA)
+            out, _, skipped = run(first)
+            err = relative_error(rows_of(out, blocks, n), ref)
+            del out
+            ms = time_ms(lambda: run(sets.take()))
+            self.add("osk", "causal+skip", n, ms, block_flops(counts, skipped), budget=1.0,
+                     delta=SKIP_DELTA, rel_err=err,
+                     realised=(int(counts.sum()) - int(skipped.sum())) / total, note="structured input")
+        if self.want("cosa") and self.has("prefill"):
+            run = lambda s: torch.ops.cosa.prefill(s.q, s.k_cache, s.v_cache, s.page_table,  # noqa: E731
+                                                   s.cu_seqlens_q, s.seqused_k, n, n, 8, 0.95, None,
+                                                   SKIP_DELTA)
+            out, _, _, counts, skipped = run(first)
+            err = relative_error(rows_of(out, blocks, n), ref)
+            del out
+            ms = time_ms(lambda: run(sets.take()))
+            self.add("cosa", "prefill", n, ms, block_flops(counts, skipped),
+                     budget=int(counts.sum()) / total, delta=SKIP_DELTA, rel_err=err,
+                     realised=(int(counts.sum()) - int(skipped.sum())) / total,
+                     note="stride 8, top_p 0.95, structured input")
+
+    def kap_rows(self, ctx):
+        """KAP alone per stride (top_p 0.95) on the random input; at N <= 16K its lists are
+        compared with cosa.reference.kap (fraction of (head, query block) rows that match)."""
+        n, sets = ctx["n"], ctx["sets"]
+        first = sets.first
+        for stride in self.args.strides:
+            run = lambda s: torch.ops.cosa.kap(s.q, s.k_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
+                                               s.seqused_k, n, n, stride, 0.95, None)
+            order, counts = run(first)
+            match = None
+            if n <= 16384:
+                ref_order, ref_counts = self.cosa.reference.kap(
+                    first.q, first.k_cache, first.page_table, first.cu_seqlens_q, first.seqused_k,
+                    n, n, stride, 0.95, None)
+                same = (ref_counts == counts) & (ref_order == order).all(-1)
+                match = float(same.float().mean())
+            ms = time_ms(lambda: run(sets.take()))
+            self.add("kap", f"stride-{stride}", n, ms,
+                     budget=int(counts.sum()) / causal_blocks(ctx["nq"], CONFIG["hq"]), list_match=match,
+                     note=f"lists match reference {match:.3f}" if match is not None else "top_p 0.95")
+
+    # -- derived columns, table, plot ---------------------------------------------------------
+
+    def finish(self):
+        cudnn = {r["n"]: r["ms"] for r in self.rows if r["kind"] == "dense" and r["impl"] == "sdpa-cudnn"}
+        for r in self.rows:
+            base = cudnn.get(r["n"])
+            r["x_cudnn"] = base / r["ms"] if base else None
+            if r["kind"] == "kap":
+                r["frac_of_cudnn"] = r["ms"] / base if base else None
+        self.save()
+
+
+def plot(rows, path: Path) -> bool:
+    """Time vs N per (kind, impl), log-log; False when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        series.setdefault(f"{r['kind']}/{r['impl']}", []).append((r["n"], r["ms"]))
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for label, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length N (tokens)")
+    ax.set_ylabel("median time (ms)")
+    ax.set_title("one attention layer, B=1, Hq=32, Hkv=8, d=128, bf16, causal")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, nargs="+", default=None,
+                   help=f"context lengths, multiples of 128 (default {' '.join(map(str, DEFAULT_N))})")
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0],
+                   help="stage-1 budgets of the random lists (1.0 = every causal block)")
+    p.add_argument("--strides", type=int, nargs="+", default=[4, 8, 16], help="KAP strides")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke test at N = {' '.join(map(str, QUICK_N))} (unless --n is given)")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
+    p.add_argument("--plot", action="store_true", help="also save a PNG of time vs N next to the JSON")
+    p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"), help="folder for the JSON")
+    args = p.parse_args(argv)
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(args.only) - set(SECTIONS))
+    if unknown:
+        p.error(f"--only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.n is None:
+        args.n = list(QUICK_N if args.quick else DEFAULT_N)
+    if any(n <= 0 or n % BLOCK for n in args.n):
+        p.error("--n: every context length must be a positive multiple of 128")
+    if any(not 0 < b <= 1 for b in args.budgets):
+        p.error("--budgets: each budget must be in (0, 1]")
+    if any(s <= 0 or BLOCK % s for s in args.strides):
+        p.error("--strides: each stride must divide 128")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    require_cuda("bench/kernel.py")
+    meta = run_metadata()
+    json_path = results_path(args.out, "kernel", meta)
+    progress(f"{meta['device']}, torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, "
+             f"commit {meta['commit']}; results -> {json_path}")
+    cosa_mod, reasons = load_cosa() if set(args.only) & {"osk", "kap", "cosa"} else (None, {})
+    for op, why in reasons.items():
+        progress(f"cosa::{op}: " + ("CUDA kernel found" if why is None else f"rows left out ({why})"))
+    bench = Bench(args, meta, cosa_mod, reasons, json_path)
+    for n in args.n:
+        bench.guarded(f"n={n}", bench.run_size, n)
+        bench.finish()
+    if args.plot and bench.rows:
+        png = json_path.with_suffix(".png")
+        progress(f"plot -> {png}" if plot(bench.rows, png) else "no plot: matplotlib is not installed")
+    print(format_table(bench.rows, TABLE_COLUMNS))
+    print(f"\nresults: {json_path}")
+    if bench.failures:
+        print("failures:\n  " + "\n  ".join(bench.failures))
+    return 1 if bench.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
