@@ -1,0 +1,187 @@
+// cosa::run_kap and cosa::kap_workspace_bytes (declared in cosa_params.h): the index pass, then per
+// chunk of query heads the scoring and selection passes (see kap_traits.h), all enqueued on one
+// stream without host synchronisation.
+#include <cuda_runtime.h>
+
+#include "cosa_params.h"
+#include "kap/kap_launch.h"
+#include "kap/kap_select_kernel.cuh"
+#include "kap/kap_traits.h"
+
+namespace cosa {
+namespace kap {
+namespace {
+
+constexpr int kIndexThreads = 1024;
+
+// Prefix sums over the batch of the query blocks (ceil(Lq_b / 128)) and scoring tiles
+// (ceil(ceil(Lq_b / s) / 128)) of each sequence: one CTA, chunks of kIndexThreads sequences.
+__global__ void __launch_bounds__(kIndexThreads)
+    kap_index_kernel(const int32_t* cu_seqlens_q, int batch, int stride, int32_t* q_block_start,
+                     int32_t* tile_start) {
+  __shared__ int warp_blocks[kIndexThreads / 32], warp_tiles[kIndexThreads / 32];
+  __shared__ int carry_blocks, carry_tiles;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (tid == 0) {
+    carry_blocks = 0;
+    carry_tiles = 0;
+  }
+  __syncthreads();
+  for (int base = 0; base < batch; base += kIndexThreads) {
+    const int b = base + tid;
+    int blocks = 0, tiles = 0;
+    if (b < batch) {
+      const int len_q = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+      blocks = (len_q + kBlockSize - 1) / kBlockSize;
+      tiles = ((len_q + stride - 1) / stride + kTileRows - 1) / kTileRows;
+    }
+    int inc_blocks = blocks, inc_tiles = tiles;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int ob = __shfl_up_sync(0xffffffffu, inc_blocks, off);
+      const int ot = __shfl_up_sync(0xffffffffu, inc_tiles, off);
+      if (lane >= off) {
+        inc_blocks += ob;
+        inc_tiles += ot;
+      }
+    }
+    if (lane == 31) {
+      warp_blocks[warp] = inc_blocks;
+      warp_tiles[warp] = inc_tiles;
+    }
+    __syncthreads();
+    int off_blocks = carry_blocks, off_tiles = carry_tiles;
+    for (int w = 0; w < warp; ++w) {
+      off_blocks += warp_blocks[w];
+      off_tiles += warp_tiles[w];
+    }
+    if (b < batch) {
+      q_block_start[b] = off_blocks + inc_blocks - blocks;
+      tile_start[b] = off_tiles + inc_tiles - tiles;
+    }
+    __syncthreads();  // everyone has read the carries and warp sums
+    if (tid == kIndexThreads - 1) {
+      carry_blocks = off_blocks + inc_blocks;
+      carry_tiles = off_tiles + inc_tiles;
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    q_block_start[batch] = carry_blocks;
+    tile_start[batch] = carry_tiles;
+  }
+}
+
+template <int kStride>
+cudaError_t launch_select(const KapDeviceArgs& args, cudaStream_t stream) {
+  if (args.layout.max_k_blocks <= kWarpSortMax) {
+    const dim3 grid((args.layout.num_q_blocks + kSelectWarps - 1) / kSelectWarps, args.head_count);
+    kap_select_warp_kernel<kStride><<<grid, 32 * kSelectWarps, 0, stream>>>(args);
+    return cudaGetLastError();
+  }
+  const size_t smem = select_smem_bytes(args.layout.max_k_blocks);
+  auto kernel = kap_select_block_kernel<kStride>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(args.layout.num_q_blocks, args.head_count);
+  kernel<<<grid, kSelectThreads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <bool kBFloat16, int kHeadDim>
+cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (stride) {
+    case 4:
+      err = launch_score<kBFloat16, kHeadDim, 4>(args, stream);
+      if (err == cudaSuccess) err = launch_select<4>(args, stream);
+      break;
+    case 8:
+      err = launch_score<kBFloat16, kHeadDim, 8>(args, stream);
+      if (err == cudaSuccess) err = launch_select<8>(args, stream);
+      break;
+    case 16:
+      err = launch_score<kBFloat16, kHeadDim, 16>(args, stream);
+      if (err == cudaSuccess) err = launch_select<16>(args, stream);
+      break;
+    default:
+      break;
+  }
+  return err;
+}
+
+cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, cudaStream_t stream) {
+  const bool bf16 = args.layout.dtype == DType::kBFloat16;
+  if (args.layout.head_dim == 128) {
+    return bf16 ? launch_chunk<true, 128>(args, stride, stream)
+                : launch_chunk<false, 128>(args, stride, stream);
+  }
+  if (args.layout.head_dim == 64) {
+    return bf16 ? launch_chunk<true, 64>(args, stride, stream)
+                : launch_chunk<false, 64>(args, stride, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+}  // namespace kap
+
+size_t kap_workspace_bytes(const KapParams& params) {
+  return kap::workspace_layout(params).total_bytes;
+}
+
+cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
+  const PagedLayout& layout = params.layout;
+  if (params.stride != 4 && params.stride != 8 && params.stride != 16) return cudaErrorInvalidValue;
+  if (layout.head_dim != 64 && layout.head_dim != 128) return cudaErrorInvalidValue;
+  if (layout.num_q_blocks == 0 || layout.num_heads_q == 0) return cudaSuccess;
+  if (kap::select_smem_bytes(layout.max_k_blocks) > 200 * 1024) return cudaErrorInvalidValue;
+  const kap::WorkspaceLayout ws = kap::workspace_layout(params);
+  auto* base = static_cast<uint8_t*>(params.workspace);
+  kap::KapDeviceArgs args;
+  args.layout = layout;
+  args.top_p = params.top_p;
+  args.order = params.order;
+  args.counts = params.counts;
+  args.q_block_start = reinterpret_cast<const int32_t*>(base + ws.q_block_start_offset);
+  args.tile_start = reinterpret_cast<const int32_t*>(base + ws.tile_start_offset);
+  args.block_max = reinterpret_cast<float*>(base + ws.block_max_offset);
+  args.row_max = reinterpret_cast<uint32_t*>(base + ws.row_max_offset);
+  args.block_max_rows = ws.rows;
+  args.num_tiles = kap::score_tiles_bound(layout, params.stride);
+  {
+    // Column tiles and units: 256-wide tiles unless the problem gives fewer than two waves of
+    // them; units long enough to amortise the pipeline fill, short enough that the causal
+    // triangle splits into some four waves of CTAs per head chunk.
+    int device = 0, num_sms = 132;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    const int64_t stride_cols = (layout.max_seqlen_k + params.stride - 1) / params.stride;
+    auto causal_work = [&](int64_t tile_cols) {  // column tiles of all row tiles, about
+      return static_cast<int64_t>(ws.heads_per_chunk) * args.num_tiles *
+             ((stride_cols + tile_cols - 1) / tile_cols + 1) / 2;
+    };
+    args.tile_cols = causal_work(256) < 2 * static_cast<int64_t>(num_sms) ? 128 : 256;
+    const int64_t per_unit = causal_work(args.tile_cols) / (4 * static_cast<int64_t>(num_sms));
+    args.col_tiles_per_unit = static_cast<int>(
+        per_unit < 1 ? 1 : (per_unit > kap::kMaxColTilesPerUnit ? kap::kMaxColTilesPerUnit : per_unit));
+  }
+
+  kap::kap_index_kernel<<<1, kap::kIndexThreads, 0, stream>>>(
+      layout.cu_seqlens_q, layout.batch, params.stride,
+      reinterpret_cast<int32_t*>(base + ws.q_block_start_offset),
+      reinterpret_cast<int32_t*>(base + ws.tile_start_offset));
+  cudaError_t err = cudaGetLastError();
+  for (int head = 0; err == cudaSuccess && head < layout.num_heads_q; head += ws.heads_per_chunk) {
+    args.head_begin = head;
+    args.head_count = min(ws.heads_per_chunk, layout.num_heads_q - head);
+    err = cudaMemsetAsync(args.row_max, 0, sizeof(uint32_t) * ws.rows * args.head_count, stream);
+    if (err == cudaSuccess) err = kap::launch_chunk(args, params.stride, stream);
+  }
+  return err;
+}
+
+}  // namespace cosa

@@ -1,0 +1,253 @@
+// KAP scoring pass: the strided (antidiagonal) proxy logits on tensor cores, reduced on chip to
+// the per-key-block maxima bm[r, j] of every stride row (spec section 2, steps 1-3).
+//
+// One CTA owns a tile of 128 stride rows of one sequence and one query head and walks a unit of
+// up to col_tiles_per_unit causal column tiles of kCols stride columns (the units of a row tile
+// write disjoint key blocks, so they need no merge). Qs[r] . Ks[c] = sum_t Q[r*s + s-1-t] . K[c*s + t], so the GEMM
+// reduction dimension (s * d) is walked as s chunks of d, each an ordinary Q K^T slice whose query
+// rows are s tokens apart (offset s-1-t) and whose key rows are the t-th token of each s-group.
+// Both operands are gathered with 16-byte cp.async straight into the 128-byte-swizzled layout
+// that wgmma reads: queries through cu_seqlens_q, keys through the page table (an s-group never
+// crosses a page since s <= 16 <= page_size and both are powers of two). Positions past Lq/Lk are
+// zero-filled, as the spec's zero rows. The pipeline is one flat sequence of (column tile, K
+// slice) steps, so the loads of the next column tile overlap the epilogue of the current one.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kap/kap_ptx.cuh"
+#include "kap/kap_traits.h"
+
+namespace cosa::kap {
+
+template <bool kBFloat16, int kHeadDim, int kStride, int kCols>
+__global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDeviceArgs args) {
+  static_assert(kHeadDim % kTileK == 0, "head dim must be a multiple of 64");
+  using Tile = ScoreTile<kCols>;
+  constexpr int kTileCols = Tile::kTileCols;
+  constexpr int kStages = Tile::kStages;
+  constexpr int kStageBytes = Tile::kStageBytes;
+  constexpr int kRowsPerBlock = kBlockSize / kStride;       // stride rows (and columns) per block
+  constexpr int kSlicesPerToken = kHeadDim / kTileK;         // K slices per token of a group
+  constexpr int kSteps = kStride * kSlicesPerToken;          // K slices per column tile
+  constexpr int kGroups = kTileCols / kRowsPerBlock;         // key blocks per column tile
+  constexpr int kFragsPerGroup = kRowsPerBlock / 8;          // 8-column fragments per key block
+  constexpr int kLoadRows = kScoreThreads / 8;               // rows one load pass covers
+  constexpr int kLoadsA = kTileRows / kLoadRows;             // per thread and step
+  constexpr int kLoadsB = kTileCols / kLoadRows;
+
+  const PagedLayout& L = args.layout;
+  const int tile = args.num_tiles - 1 - static_cast<int>(blockIdx.z);  // longest tiles first
+  const int head = args.head_begin + static_cast<int>(blockIdx.x);
+  const int total_tiles = __ldg(args.tile_start + L.batch);
+  if (tile >= total_tiles) return;
+  const int b = find_sequence(args.tile_start, L.batch, tile);
+  const int q_begin = __ldg(L.cu_seqlens_q + b);
+  const int len_q = __ldg(L.cu_seqlens_q + b + 1) - q_begin;
+  const int len_k = __ldg(L.seqused_k + b);
+  const int prefix_cols = (len_k - len_q) / kStride;  // P / s
+  const int num_rows = (len_q + kStride - 1) / kStride;
+  const int row0 = (tile - __ldg(args.tile_start + b)) * kTileRows;
+  const int row_last = min(row0 + kTileRows, num_rows) - 1;
+  const int col_tile_begin = static_cast<int>(blockIdx.y) * args.col_tiles_per_unit;
+  const int num_col_tiles =
+      min((row_last + prefix_cols) / kTileCols + 1 - col_tile_begin, args.col_tiles_per_unit);
+  if (num_col_tiles <= 0) return;
+  const int total_steps = num_col_tiles * kSteps;
+  const int kv_head = head / (L.num_heads_q / L.num_heads_kv);
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  const uint32_t smem_base = smem_u32(smem);
+  // Stage st: A (Qs slice) at st * kStageBytes, B (Ks slice) right after it.
+  auto a_stage = [&](int st) { return smem_base + st * kStageBytes; };
+  auto b_stage = [&](int st) { return smem_base + st * kStageBytes + kTileABytes; };
+
+  const int tid = threadIdx.x;
+  // Load assignment: thread tid copies 16-byte chunk (tid % 8) of rows tid / 8 + kLoadRows * i.
+  const int load_chunk = tid % 8;
+  const int load_row = tid / 8;
+  const uint32_t load_smem_offset =
+      load_row * 128 + ((load_chunk ^ (load_row % 8)) * 16);  // kLoadRows % 8 == 0: same swizzle
+
+  using Elem = uint16_t;
+  const Elem* q_ptr = static_cast<const Elem*>(L.q);
+  const Elem* k_ptr = static_cast<const Elem*>(L.k_cache);
+
+  // Query rows: Qs[r] slice t is token r*s + s-1-t, valid iff that token is < len_q, i.e. iff
+  // t >= r*s + s - len_q.
+  const Elem* q_base[kLoadsA];
+  int q_first_valid[kLoadsA];
+#pragma unroll
+  for (int i = 0; i < kLoadsA; ++i) {
+    const int r = row0 + load_row + kLoadRows * i;
+    const int64_t token = static_cast<int64_t>(r) * kStride + kStride - 1;
+    q_first_valid[i] = r * kStride + kStride - len_q;
+    q_base[i] = q_ptr + (q_begin + token) * L.q_row_stride + head * L.q_head_stride + load_chunk * 8;
+  }
+  // Key columns of the column tile being loaded: Ks[c] slice t is key c*s + t, valid iff
+  // t < len_k - c*s. Resolved through the page table once per column tile.
+  const Elem* k_base[kLoadsB];
+  int k_valid_count[kLoadsB];
+  const int32_t* page_row = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
+  auto resolve_key_columns = [&](int col_tile) {
+#pragma unroll
+    for (int i = 0; i < kLoadsB; ++i) {
+      const int c = col_tile * kTileCols + load_row + kLoadRows * i;
+      const int key = c * kStride;
+      k_valid_count[i] = len_k - key;
+      int64_t offset = 0;
+      if (key < len_k) {
+        const int page = __ldg(page_row + key / L.page_size);
+        offset = page * L.k_page_stride + (key % L.page_size) * L.k_row_stride;
+      }
+      k_base[i] = k_ptr + offset + kv_head * L.k_head_stride + load_chunk * 8;
+    }
+  };
+
+  int load_step = 0;  // next step to load
+  int loaded_col_tile = -1;
+  auto load_next = [&]() {
+    if (load_step < total_steps) {
+      const int col_tile = col_tile_begin + load_step / kSteps;
+      const int slice = load_step % kSteps;
+      if (col_tile != loaded_col_tile) {
+        resolve_key_columns(col_tile);
+        loaded_col_tile = col_tile;
+      }
+      const int t = slice / kSlicesPerToken;
+      const int dim = (slice % kSlicesPerToken) * kTileK;
+      const int stage = load_step % kStages;
+      const uint32_t a_dst = a_stage(stage) + load_smem_offset;
+      const uint32_t b_dst = b_stage(stage) + load_smem_offset;
+      const int64_t q_offset = -static_cast<int64_t>(t) * L.q_row_stride + dim;
+      const int64_t k_offset = static_cast<int64_t>(t) * L.k_row_stride + dim;
+#pragma unroll
+      for (int i = 0; i < kLoadsA; ++i) {
+        const bool q_valid = t >= q_first_valid[i];
+        cp_async_16(a_dst + i * kLoadRows * 128, q_valid ? q_base[i] + q_offset : q_ptr, q_valid);
+      }
+#pragma unroll
+      for (int i = 0; i < kLoadsB; ++i) {
+        const bool k_valid = t < k_valid_count[i];
+        cp_async_16(b_dst + i * kLoadRows * 128, k_valid ? k_base[i] + k_offset : k_ptr, k_valid);
+      }
+    }
+    cp_async_commit();  // possibly empty: keeps one group per step
+    ++load_step;
+  };
+
+  // Epilogue geometry of this thread (wgmma accumulator layout, see wgmma_m64n256k16).
+  const int warpgroup = tid / 128;
+  const int lane = tid % 32;
+  const int row_in_tile = warpgroup * 64 + ((tid % 128) / 32) * 16 + lane / 4;  // + 8 for half 1
+  const float logit_scale = L.softmax_scale / kStride;
+  float* block_max_head = args.block_max + static_cast<int64_t>(blockIdx.x) * args.block_max_rows *
+                                               L.max_k_blocks;
+  uint32_t* row_max_head = args.row_max + static_cast<int64_t>(blockIdx.x) * args.block_max_rows;
+  const int64_t first_row = static_cast<int64_t>(__ldg(args.q_block_start + b)) * kRowsPerBlock;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) load_next();
+
+  float acc[kTileCols / 2];
+#pragma unroll
+  for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.f;
+
+  for (int step = 0; step < total_steps; ++step) {
+    const int stage = step % kStages;
+    const int slice = step % kSteps;
+    cp_async_wait<kStages - 3>();
+    fence_proxy_async_shared();
+    __syncthreads();  // stage `step` is complete; every warpgroup has finished step - 2
+
+    wgmma_fence();
+    wgmma_fence_operands(acc);
+    const uint64_t desc_a = sw128_kmajor_desc(a_stage(stage) + warpgroup * 64 * 128);
+    const uint64_t desc_b = sw128_kmajor_desc(b_stage(stage));
+#pragma unroll
+    for (int k = 0; k < kTileK / 16; ++k) {
+      if constexpr (kTileCols == 256) {
+        wgmma_m64n256k16<kBFloat16>(acc, desc_a + 2 * k, desc_b + 2 * k, (slice > 0 || k > 0) ? 1 : 0);
+      } else {
+        wgmma_m64n128k16<kBFloat16>(acc, desc_a + 2 * k, desc_b + 2 * k, (slice > 0 || k > 0) ? 1 : 0);
+      }
+    }
+    wgmma_commit();
+    wgmma_fence_operands(acc);
+    load_next();  // into the stage of step - 2
+    if (slice != kSteps - 1) {
+      wgmma_wait<1>();
+      continue;
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+
+    // Epilogue of column tile `col_tile`: per row and key block, the max over allowed columns
+    // c <= r + P/s. scale > 0, so max(x) * scale == max(x * scale) exactly.
+    const int col_tile = col_tile_begin + step / kSteps;
+    const int col0 = col_tile * kTileCols;
+    const bool needs_mask = col0 + kTileCols - 1 > row0 + prefix_cols;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + row_in_tile + 8 * half;
+      const int col_limit = r + prefix_cols - col0;  // allowed iff column in tile <= col_limit
+      float group_max[kGroups];  // this thread's columns only
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int f = 0; f < kFragsPerGroup; ++f) {
+          const int frag = g * kFragsPerGroup + f;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = acc[4 * frag + 2 * half + e];
+            if (needs_mask && 8 * frag + 2 * (lane % 4) + e > col_limit) v = -INFINITY;
+            m = fmaxf(m, v);
+          }
+        }
+        group_max[g] = m;
+      }
+      // The four lanes of a row reduce by halving exchanges: after the xor-1 step a lane keeps
+      // the groups with bit 0 equal to its own, after the xor-2 step those with bits 0-1 equal to
+      // (lane & 3): lane owns groups 4q + (lane & 3), at 1.5 s shuffles instead of 4 s.
+      float pair_max[kGroups / 2];
+#pragma unroll
+      for (int g = 0; g < kGroups; g += 2) {
+        const bool odd = lane & 1;
+        const float other = __shfl_xor_sync(0xffffffffu, odd ? group_max[g] : group_max[g + 1], 1);
+        pair_max[g / 2] = fmaxf(odd ? group_max[g + 1] : group_max[g], other);
+      }
+      float quad_max[kGroups / 4];
+#pragma unroll
+      for (int k = 0; k < kGroups / 2; k += 2) {
+        const bool high = lane & 2;
+        const float other = __shfl_xor_sync(0xffffffffu, high ? pair_max[k] : pair_max[k + 1], 2);
+        quad_max[k / 2] = fmaxf(high ? pair_max[k + 1] : pair_max[k], other);
+      }
+      float row_best = -INFINITY;  // blocks without an allowed column hold -inf
+#pragma unroll
+      for (int q = 0; q < kGroups / 4; ++q) row_best = fmaxf(row_best, quad_max[q]);
+      row_best = fmaxf(row_best, __shfl_xor_sync(0xffffffffu, row_best, 1));
+      row_best = fmaxf(row_best, __shfl_xor_sync(0xffffffffu, row_best, 2));
+      if (r < num_rows) {
+        float* out_row = block_max_head + (first_row + r) * L.max_k_blocks + col0 / kRowsPerBlock;
+#pragma unroll
+        for (int q = 0; q < kGroups / 4; ++q) {
+          const int g = 4 * q + (lane & 3);
+          // Block g has an allowed column iff its first column is allowed.
+          if (g * kRowsPerBlock <= col_limit) out_row[g] = quad_max[q] * logit_scale;
+        }
+        if ((lane & 3) == 0 && row_best > -INFINITY) {
+          atomicMax(row_max_head + first_row + r, ordered_bits(row_best * logit_scale));
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace cosa::kap

@@ -1,0 +1,419 @@
+// KAP selection pass (spec section 2, steps 3-6) per (query head, packed query block): from the
+// block maxima bm[r, j] and row maxima rm[r] of the block's stride rows (written by
+// kap_score_kernel) it forms the scores S[j] = sum_r exp(bm[r, j] - rm[r]) and the HRM flags
+// H[j] = any_r bm[r, j] == rm[r]; sorts the candidates j = 0 .. P/128 + i by one packed 64-bit
+// key (H, S bits, inverted j); keeps the shortest prefix whose cumulative S reaches top_p * T
+// (every candidate when top_p >= 1) plus every HRM block, block 0 and the diagonal block; writes
+// them in sort order followed by -1 padding.
+//
+// Two kernels: kap_select_warp_kernel gives each list one warp and sorts up to kWarpSortMax keys
+// in registers (bitonic network: in-thread steps and shuffles, no shared-memory traffic), which
+// is what rows of up to 128K-token contexts need; kap_select_block_kernel gives each list a CTA
+// and sorts in shared memory, for longer contexts.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kap/kap_traits.h"
+
+namespace cosa::kap {
+
+// Sort key: descending key order is (H desc, S desc, j asc). S >= 0, so its float bits order it
+// as an unsigned integer and fit in bits 31..62; the block id takes the low 31 bits, inverted.
+__device__ __forceinline__ uint64_t select_key(bool hrm, float score, int block) {
+  return (static_cast<uint64_t>(hrm) << 63) |
+         (static_cast<uint64_t>(__float_as_uint(score)) << 31) |
+         static_cast<uint64_t>(0x7FFFFFFF - block);
+}
+__device__ __forceinline__ int key_block(uint64_t key) {
+  return 0x7FFFFFFF - static_cast<int>(key & 0x7FFFFFFFu);
+}
+__device__ __forceinline__ float key_score(uint64_t key) {
+  return __uint_as_float(static_cast<uint32_t>((key >> 31) & 0xFFFFFFFFu));
+}
+__device__ __forceinline__ bool key_hrm(uint64_t key) { return (key >> 63) != 0; }
+
+// Longest list the warp kernel sorts: 32 lanes x 32 keys in registers.
+constexpr int kWarpSortMax = 1024;
+constexpr int kSelectWarps = 4;  // lists per CTA of the warp kernel
+
+// Dynamic shared memory of the block kernel: next_pow2(max_k_blocks) keys.
+inline size_t select_smem_bytes(int max_k_blocks) {
+  size_t n = 1;
+  while (n < static_cast<size_t>(max_k_blocks)) n <<= 1;
+  return n * sizeof(uint64_t);
+}
+
+template <int kStride>
+__global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const KapDeviceArgs args) {
+  constexpr int kRowsPerBlock = kBlockSize / kStride;
+  constexpr int kWarps = kSelectThreads / 32;
+  const PagedLayout& L = args.layout;
+  const int q_block = blockIdx.x;
+  const int head_local = blockIdx.y;
+  const int head = args.head_begin + head_local;
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  int32_t* order_row =
+      args.order + (static_cast<int64_t>(head) * L.num_q_blocks + q_block) * L.max_k_blocks;
+  int32_t* count_out = args.counts + static_cast<int64_t>(head) * L.num_q_blocks + q_block;
+
+  const int total_blocks = __ldg(args.q_block_start + L.batch);
+  if (q_block >= total_blocks) {  // padding row
+    for (int k = tid; k < L.max_k_blocks; k += kSelectThreads) order_row[k] = -1;
+    if (tid == 0) *count_out = 0;
+    return;
+  }
+  const int b = find_sequence(args.q_block_start, L.batch, q_block);
+  const int i = q_block - __ldg(args.q_block_start + b);
+  const int q_begin = __ldg(L.cu_seqlens_q + b);
+  const int len_q = __ldg(L.cu_seqlens_q + b + 1) - q_begin;
+  const int len_k = __ldg(L.seqused_k + b);
+  const int diagonal = (len_k - len_q) / kBlockSize + i;
+  const int num_candidates = diagonal + 1;  // every candidate is allowed for every row
+  const int num_rows = min(kRowsPerBlock, (len_q + kStride - 1) / kStride - i * kRowsPerBlock);
+  const float* bm = args.block_max +
+                    (static_cast<int64_t>(head_local) * args.block_max_rows +
+                     static_cast<int64_t>(q_block) * kRowsPerBlock) * L.max_k_blocks;
+
+  extern __shared__ uint64_t keys[];
+  __shared__ float row_max[kRowsPerBlock];
+  __shared__ float warp_sums[kWarps];
+  __shared__ int first_reached, hrm_count, sink_pos, diagonal_pos;
+  __shared__ float total_score;
+
+  if (tid < kRowsPerBlock) {
+    row_max[tid] = tid < num_rows
+                       ? from_ordered_bits(args.row_max[static_cast<int64_t>(head_local) *
+                                                            args.block_max_rows +
+                                                        static_cast<int64_t>(q_block) * kRowsPerBlock + tid])
+                       : 0.f;
+  }
+  if (tid == 0) {
+    first_reached = 0x7FFFFFFF;
+    hrm_count = 0;
+    sink_pos = -1;
+    diagonal_pos = -1;
+  }
+  __syncthreads();
+
+  // Scores, HRM flags, sort keys; the power-of-two tail holds zero keys, which sort last.
+  int sort_size = 1;
+  while (sort_size < num_candidates) sort_size <<= 1;
+  int local_hrm = 0;
+  for (int j = tid; j < sort_size; j += kSelectThreads) {
+    uint64_t key = 0;
+    if (j < num_candidates) {
+      float score = 0.f;
+      bool hrm = false;
+#pragma unroll
+      for (int r = 0; r < kRowsPerBlock; ++r) {
+        if (r < num_rows) {
+          const float v = bm[static_cast<int64_t>(r) * L.max_k_blocks + j];
+          score += __expf(v - row_max[r]);
+          hrm |= (v == row_max[r]);
+        }
+      }
+      local_hrm += hrm;
+      key = select_key(hrm, score, j);
+    }
+    keys[j] = key;
+  }
+  if (local_hrm) atomicAdd(&hrm_count, local_hrm);
+  __syncthreads();
+
+  // Bitonic sort, descending. Pair idx = 32 * warp' + lane touches elements of the 64-element
+  // chunk idx / 32 only while half <= 32, and a warp always owns the same chunks, so those steps
+  // need a warp barrier only; a CTA barrier goes around every step with a larger half.
+  for (int size = 2; size <= sort_size; size <<= 1) {
+    for (int half = size >> 1; half > 0; half >>= 1) {
+      for (int idx = tid; idx < sort_size / 2; idx += kSelectThreads) {
+        const int lo = 2 * half * (idx / half) + (idx % half);
+        const int hi = lo + half;
+        const uint64_t a = keys[lo], c = keys[hi];
+        const bool descending = (lo & size) == 0;
+        if (descending ? (a < c) : (a > c)) {
+          keys[lo] = c;
+          keys[hi] = a;
+        }
+      }
+      const int next_half = half > 1 ? half >> 1 : size;
+      if (half > 32 || next_half > 32) {
+        __syncthreads();
+      } else {
+        __syncwarp();
+      }
+    }
+  }
+  __syncthreads();
+
+  // Cumulative S in sort order: each thread owns a contiguous run of positions.
+  const int per_thread = (num_candidates + kSelectThreads - 1) / kSelectThreads;
+  const int run_begin = min(tid * per_thread, num_candidates);
+  const int run_end = min(run_begin + per_thread, num_candidates);
+  float run_sum = 0.f;
+  for (int k = run_begin; k < run_end; ++k) run_sum += key_score(keys[k]);
+  // Exclusive block scan of the run sums.
+  float inclusive = run_sum;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const float other = __shfl_up_sync(0xffffffffu, inclusive, off);
+    if (lane >= off) inclusive += other;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  float warp_offset = 0.f;
+  for (int w = 0; w < warp; ++w) warp_offset += warp_sums[w];
+  const float run_offset = warp_offset + inclusive - run_sum;
+  // T is the cumulative sum at the last position, so that top_p = 1 keeps every candidate.
+  {
+    float cumulative = run_offset;
+    for (int k = run_begin; k < run_end; ++k) cumulative += key_score(keys[k]);
+    if (run_begin < run_end && run_end == num_candidates) total_score = cumulative;
+  }
+  __syncthreads();
+  const float threshold = args.top_p * total_score;
+  {
+    float cumulative = run_offset;
+    for (int k = run_begin; k < run_end; ++k) {
+      const uint64_t key = keys[k];
+      cumulative += key_score(key);
+      if (cumulative >= threshold) {
+        atomicMin(&first_reached, k);
+        break;
+      }
+    }
+    for (int k = run_begin; k < run_end; ++k) {
+      const int block = key_block(keys[k]);
+      if (block == 0) sink_pos = k;
+      if (block == diagonal) diagonal_pos = k;
+    }
+  }
+  __syncthreads();
+
+  // Kept: positions 0 .. last_kept (top-p prefix and the HRM prefix), then the forced sink and
+  // diagonal blocks where they lie past it, in sort order.
+  // top_p >= 1 keeps every candidate, zero scores included (the spec's "p = 1 keeps every
+  // candidate"; the shortest prefix reaching T would stop before trailing zero scores).
+  const int prefix_last = args.top_p >= 1.f ? num_candidates - 1 : min(first_reached, num_candidates - 1);
+  const int last_kept = max(prefix_last, hrm_count - 1);
+  int extra_first = -1, extra_second = -1;
+  {
+    const int p0 = min(sink_pos, diagonal_pos), p1 = max(sink_pos, diagonal_pos);
+    if (p0 > last_kept) extra_first = p0;
+    if (p1 > last_kept && p1 != p0) {
+      if (extra_first < 0) extra_first = p1; else extra_second = p1;
+    }
+  }
+  const int count = last_kept + 1 + (extra_first >= 0) + (extra_second >= 0);
+  for (int k = tid; k < L.max_k_blocks; k += kSelectThreads) {
+    int value = -1;
+    if (k <= last_kept) {
+      value = key_block(keys[k]);
+    } else if (k == last_kept + 1 && extra_first >= 0) {
+      value = key_block(keys[extra_first]);
+    } else if (k == last_kept + 2 && extra_second >= 0) {
+      value = key_block(keys[extra_second]);
+    }
+    order_row[k] = value;
+  }
+  if (tid == 0) *count_out = count;
+}
+
+// Compare-exchange on 64-bit keys: `first` ends up with the larger key iff `descending`.
+__device__ __forceinline__ void order_pair(uint64_t& first, uint64_t& second, bool descending) {
+  const uint64_t hi = first > second ? first : second;
+  const uint64_t lo = first > second ? second : first;
+  first = descending ? hi : lo;
+  second = descending ? lo : hi;
+}
+
+// Bitonic sort, descending, of the warp's 32 * kElems keys; lane l holds positions
+// l * kElems .. l * kElems + kElems - 1 in key[0 .. kElems-1].
+template <int kElems>
+__device__ __forceinline__ void warp_bitonic_sort(uint64_t (&key)[kElems], int lane) {
+  constexpr int kSize = 32 * kElems;
+#pragma unroll 1
+  for (int size = 2; size <= kSize; size <<= 1) {
+    // Steps whose partner lives in another lane: the same slot of lane ^ (half / kElems).
+#pragma unroll 1
+    for (int half = size >> 1; half >= kElems; half >>= 1) {
+      const int lane_mask = half / kElems;
+      const bool descending = ((lane * kElems) & size) == 0;
+      const bool keep_larger = ((lane & lane_mask) == 0) == descending;
+      // Eight slots at a time: exchanging every slot at once would double the live registers.
+#pragma unroll
+      for (int e0 = 0; e0 < kElems; e0 += 8) {
+#pragma unroll
+        for (int e = e0; e < e0 + 8 && e < kElems; ++e) {
+          const uint64_t other = __shfl_xor_sync(0xffffffffu, key[e], lane_mask);
+          key[e] = keep_larger ? (key[e] > other ? key[e] : other) : (key[e] < other ? key[e] : other);
+        }
+        __syncwarp();
+      }
+    }
+    // Steps inside a lane.
+#pragma unroll
+    for (int half = kElems / 2; half >= 1; half >>= 1) {
+      if (half < size) {
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) {
+          if ((e & half) == 0) {
+            order_pair(key[e], key[e + half], ((lane * kElems + e) & size) == 0);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int kElems>
+__device__ __forceinline__ void select_list_warp(const KapDeviceArgs& args, const uint64_t* staged,
+                                                 int hrm_local, int num_candidates, int diagonal,
+                                                 int32_t* order_row, int32_t* count_out, int lane) {
+  const int max_k_blocks = args.layout.max_k_blocks;
+  // Any initial placement is fine for the sort; positions past the candidates hold zero keys,
+  // which sort last.
+  uint64_t key[kElems];
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) {
+    const int j = 32 * e + lane;
+    key[e] = j < num_candidates ? staged[j] : 0;
+  }
+  const int hrm_count = __reduce_add_sync(0xffffffffu, hrm_local);
+  warp_bitonic_sort<kElems>(key, lane);
+
+  // Cumulative S in sort order: lane-local runs, then an exclusive scan over the lanes.
+  float run_sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) run_sum += key_score(key[e]);
+  float inclusive = run_sum;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const float other = __shfl_up_sync(0xffffffffu, inclusive, off);
+    if (lane >= off) inclusive += other;
+  }
+  // T is the cumulative sum at the last position (zero keys add nothing).
+  const float total = __shfl_sync(0xffffffffu, inclusive, 31);
+  const float threshold = args.top_p * total;
+  float cumulative = inclusive - run_sum;
+  int first_reached = 0x7FFFFFFF, sink_pos = -1, diagonal_pos = -1;
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) {
+    const int pos = lane * kElems + e;
+    cumulative += key_score(key[e]);
+    if (pos < num_candidates) {
+      if (cumulative >= threshold && first_reached == 0x7FFFFFFF) first_reached = pos;
+      const int block = key_block(key[e]);
+      if (block == 0) sink_pos = pos;
+      if (block == diagonal) diagonal_pos = pos;
+    }
+  }
+  first_reached = __reduce_min_sync(0xffffffffu, first_reached);
+  sink_pos = __reduce_max_sync(0xffffffffu, sink_pos);
+  diagonal_pos = __reduce_max_sync(0xffffffffu, diagonal_pos);
+
+  // Kept: positions 0 .. last_kept (top-p prefix and the HRM prefix), then the forced sink and
+  // diagonal blocks where they lie past it, in sort order. top_p >= 1 keeps every candidate,
+  // zero scores included (the shortest prefix reaching T could stop before trailing zeros).
+  const int prefix_last =
+      args.top_p >= 1.f ? num_candidates - 1 : min(first_reached, num_candidates - 1);
+  const int last_kept = max(prefix_last, hrm_count - 1);
+  const int p0 = min(sink_pos, diagonal_pos), p1 = max(sink_pos, diagonal_pos);
+  int extra_first = -1, extra_second = -1;
+  if (p0 > last_kept) extra_first = p0;
+  if (p1 > last_kept && p1 != p0) {
+    if (extra_first < 0) extra_first = p1; else extra_second = p1;
+  }
+  const int count = last_kept + 1 + (extra_first >= 0) + (extra_second >= 0);
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) {
+    const int pos = lane * kElems + e;
+    if (pos <= last_kept) order_row[pos] = key_block(key[e]);
+    if (pos == extra_first) order_row[last_kept + 1] = key_block(key[e]);
+    if (pos == extra_second) order_row[last_kept + 2] = key_block(key[e]);
+  }
+  for (int k = count + lane; k < max_k_blocks; k += 32) order_row[k] = -1;
+  if (lane == 0) *count_out = count;
+}
+
+// One warp per (query head, query block); lists of at most kWarpSortMax candidates.
+template <int kStride>
+__global__ void __launch_bounds__(32 * kSelectWarps, 3) kap_select_warp_kernel(const KapDeviceArgs args) {
+  constexpr int kRowsPerBlock = kBlockSize / kStride;
+  const PagedLayout& L = args.layout;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int q_block = blockIdx.x * kSelectWarps + warp;
+  const int head_local = blockIdx.y;
+  const int head = args.head_begin + head_local;
+  if (q_block >= L.num_q_blocks) return;
+  int32_t* order_row =
+      args.order + (static_cast<int64_t>(head) * L.num_q_blocks + q_block) * L.max_k_blocks;
+  int32_t* count_out = args.counts + static_cast<int64_t>(head) * L.num_q_blocks + q_block;
+
+  const int total_blocks = __ldg(args.q_block_start + L.batch);
+  if (q_block >= total_blocks) {  // padding row
+    for (int k = lane; k < L.max_k_blocks; k += 32) order_row[k] = -1;
+    if (lane == 0) *count_out = 0;
+    return;
+  }
+  const int b = find_sequence(args.q_block_start, L.batch, q_block);
+  const int i = q_block - __ldg(args.q_block_start + b);
+  const int len_q = __ldg(L.cu_seqlens_q + b + 1) - __ldg(L.cu_seqlens_q + b);
+  const int len_k = __ldg(L.seqused_k + b);
+  const int diagonal = (len_k - len_q) / kBlockSize + i;
+  const int num_candidates = diagonal + 1;  // every candidate is allowed for every row
+  const int num_rows = min(kRowsPerBlock, (len_q + kStride - 1) / kStride - i * kRowsPerBlock);
+  const int64_t first_row = static_cast<int64_t>(q_block) * kRowsPerBlock;
+  const float* bm = args.block_max +
+                    (static_cast<int64_t>(head_local) * args.block_max_rows + first_row) * L.max_k_blocks;
+
+  __shared__ float row_max_all[kSelectWarps][kRowsPerBlock];
+  __shared__ uint64_t staged_all[kSelectWarps][kWarpSortMax];
+  float* row_max = row_max_all[warp];
+  uint64_t* staged = staged_all[warp];
+  if (lane < kRowsPerBlock) {
+    row_max[lane] =
+        lane < num_rows
+            ? from_ordered_bits(args.row_max[static_cast<int64_t>(head_local) * args.block_max_rows +
+                                             first_row + lane])
+            : 0.f;
+  }
+  __syncwarp();
+  // Scores, flags and sort keys, staged in shared memory (block j read by lane j % 32: coalesced).
+  int hrm_local = 0;
+  for (int j = lane; j < num_candidates; j += 32) {
+    float score = 0.f;
+    bool hrm = false;
+#pragma unroll
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      if (r < num_rows) {
+        const float v = bm[static_cast<int64_t>(r) * L.max_k_blocks + j];
+        score += __expf(v - row_max[r]);
+        hrm |= (v == row_max[r]);
+      }
+    }
+    hrm_local += hrm;
+    staged[j] = select_key(hrm, score, j);
+  }
+  __syncwarp();
+  if (num_candidates <= 32) {
+    select_list_warp<1>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+  } else if (num_candidates <= 64) {
+    select_list_warp<2>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+  } else if (num_candidates <= 128) {
+    select_list_warp<4>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+  } else if (num_candidates <= 256) {
+    select_list_warp<8>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+  } else if (num_candidates <= 512) {
+    select_list_warp<16>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+  } else {
+    select_list_warp<32>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+  }
+}
+
+}  // namespace cosa::kap

@@ -1,0 +1,132 @@
+// Compile-time shapes of the KAP kernels and the layout of their workspace (spec section 2).
+//
+// KAP runs as a few launches on one stream:
+//   1. kap_index_kernel: per sequence, the first packed query block and the first scoring tile
+//      (prefix sums over the batch, so that no host synchronisation is needed);
+//   2. kap_score_kernel (kap_score_kernel.cuh): the strided proxy GEMM Qs Ks^T on tensor cores;
+//      its epilogue reduces each stride row's logits to the per-key-block maxima bm[r, j], stores
+//      them in the workspace and folds them into the row maxima rm[r] (one atomic max per row
+//      and CTA, into a buffer zeroed just before);
+//   3. kap_select_*_kernel (kap_select_kernel.cuh): per (query head, query block), Pbar, S and the
+//      HRM flags in one read of bm, the flag-grouped sort, top-p and the ordered list.
+// Steps 2-3 repeat per chunk of query heads so that the bm buffer stays below kMaxBlockMaxBytes
+// (no O(N^2) buffer: bm is O(N^2 / (128 s)) per head, 64 MB per head at 128K tokens and s = 8).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cosa_params.h"
+
+namespace cosa::kap {
+
+// Scoring tile: kTileRows stride rows (Qs rows) x kTileCols stride columns (Ks rows), reduced over
+// the s * d long antidiagonal vectors kTileK elements at a time.
+constexpr int kTileRows = 128;  // two consumer warpgroups of 64 rows
+constexpr int kTileK = 64;      // one 128-byte swizzled row of 16-bit elements
+constexpr int kScoreThreads = 256;
+constexpr int kTileABytes = kTileRows * kTileK * 2;
+// Column tiles: 256 wide where there is work for every SM (the smallest tile whose operand
+// traffic, 48 KB per K slice served mostly by L2, keeps up with the tensor cores), 128 wide for
+// short problems, which then split into twice as many CTAs.
+template <int kCols>
+struct ScoreTile {
+  static constexpr int kTileCols = kCols;
+  static constexpr int kStages = kCols == 256 ? 4 : 6;  // cp.async depth; loads run kStages - 2 ahead
+  static constexpr int kTileBBytes = kCols * kTileK * 2;
+  static constexpr int kStageBytes = kTileABytes + kTileBBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
+};
+// A CTA walks at most kMaxColTilesPerUnit column tiles; shorter units balance short problems.
+constexpr int kMaxColTilesPerUnit = 16;
+
+constexpr int kSelectThreads = 256;
+
+// The bm buffer of one head chunk: [heads, num_q_blocks * (128 / s), max_k_blocks] fp32.
+constexpr size_t kMaxBlockMaxBytes = size_t(512) << 20;
+
+// Upper bound of the number of scoring tiles (128 stride rows of one sequence each), from shapes
+// alone: sum_b ceil(ceil(Lq_b / s) / 128).
+inline int score_tiles_bound(const PagedLayout& layout, int stride) {
+  const int64_t batch = layout.batch;
+  const int64_t rows_max = (layout.max_seqlen_q + stride - 1) / stride;
+  const int64_t by_max = batch * ((rows_max + kTileRows - 1) / kTileRows);
+  const int64_t rows_total_bound = (layout.total_q + batch * (stride - 1)) / stride;
+  const int64_t by_total = (rows_total_bound + batch * (kTileRows - 1)) / kTileRows;
+  return static_cast<int>(by_max < by_total ? by_max : by_total);
+}
+
+struct WorkspaceLayout {
+  size_t q_block_start_offset = 0;  // int32 [batch + 1]: first packed query block of sequence b
+  size_t tile_start_offset = 0;     // int32 [batch + 1]: first scoring tile of sequence b
+  size_t block_max_offset = 0;      // fp32 [heads_per_chunk, rows, max_k_blocks]
+  size_t row_max_offset = 0;        // ordered_bits(rm) [heads_per_chunk, rows], zeroed per chunk
+  int64_t rows = 0;                 // num_q_blocks * (128 / s)
+  int heads_per_chunk = 0;
+  size_t total_bytes = 0;
+};
+
+inline size_t align_up(size_t value, size_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+inline WorkspaceLayout workspace_layout(const KapParams& params) {
+  const PagedLayout& layout = params.layout;
+  WorkspaceLayout ws;
+  const size_t index_bytes = align_up(sizeof(int32_t) * (layout.batch + 1), 256);
+  ws.q_block_start_offset = 0;
+  ws.tile_start_offset = index_bytes;
+  ws.block_max_offset = 2 * index_bytes;
+  ws.rows = static_cast<int64_t>(layout.num_q_blocks) * (kBlockSize / params.stride);
+  const size_t head_bytes = sizeof(float) * ws.rows * static_cast<size_t>(layout.max_k_blocks);
+  int heads = layout.num_heads_q;
+  if (head_bytes > 0 && head_bytes * heads > kMaxBlockMaxBytes) {
+    heads = static_cast<int>(kMaxBlockMaxBytes / head_bytes);
+    if (heads < 1) heads = 1;
+  }
+  ws.heads_per_chunk = heads;
+  ws.row_max_offset = ws.block_max_offset + align_up(head_bytes * heads, 256);
+  ws.total_bytes = ws.row_max_offset + align_up(sizeof(uint32_t) * ws.rows * heads, 256);
+  return ws;
+}
+
+// Device-side view of one launch of the scoring and selection kernels.
+struct KapDeviceArgs {
+  PagedLayout layout;
+  int head_begin = 0;   // first query head of this chunk
+  int head_count = 0;   // heads in this chunk
+  int num_tiles = 0;    // grid bound of the scoring kernel: row tiles
+  int tile_cols = 256;         // scoring column tile: 128 or 256
+  int col_tiles_per_unit = 1;  // column tiles one scoring CTA walks
+  float top_p = 0.95f;
+  int32_t* order = nullptr;
+  int32_t* counts = nullptr;
+  const int32_t* q_block_start = nullptr;  // [batch + 1]
+  const int32_t* tile_start = nullptr;     // [batch + 1]
+  float* block_max = nullptr;              // [head_count, rows, max_k_blocks]
+  uint32_t* row_max = nullptr;             // ordered_bits of rm, [head_count, rows]
+  int64_t block_max_rows = 0;
+};
+
+// Order-preserving map of floats to unsigned integers, so that an integer atomicMax keeps a float
+// maximum; 0 lies below every float (the value a zeroed buffer starts from).
+__device__ __forceinline__ uint32_t ordered_bits(float value) {
+  const uint32_t u = __float_as_uint(value);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float from_ordered_bits(uint32_t bits) {
+  return __uint_as_float((bits & 0x80000000u) ? (bits & 0x7FFFFFFFu) : ~bits);
+}
+
+// Index of the sequence that owns item `index` of a packed numbering with prefix sums `start`
+// (start[0] = 0, non-decreasing, start[batch] = total): the largest b with start[b] <= index.
+__device__ __forceinline__ int find_sequence(const int32_t* start, int batch, int index) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(start + mid) <= index) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+}  // namespace cosa::kap

@@ -1,0 +1,236 @@
+"""torch.ops.cosa.kap (the Hopper KAP kernels, csrc/kap/) against cosa.reference (float32).
+
+On inputs with clear margins (planted structure) the lists must be identical to the reference's:
+same blocks, same order, same counts. On random inputs many scores are within float rounding of each
+other, so the kernel may break such near-ties differently from the reference: there every list must be
+a valid stage-1 list (spec section 2) under the reference's scores, up to a small relative tolerance.
+Covers strides 4/8/16, lengths that are not multiples of 128 or of the stride, varlen batches,
+prefixes, GQA ratios 1/4/8, page sizes 16..256, head dims 64/128, both dtypes, top_p 1, padding
+rows, determinism and CUDA-graph capture."""
+
+import math
+
+import pytest
+import torch
+
+from cosa import reference as R
+from cosa.testing import random_problem
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-4  # relative slack on score comparisons: kernel and reference sum in different orders
+
+
+def problem(seqlens_q, seqlens_k, hq=8, hkv=2, d=128, page_size=64, dtype=torch.bfloat16, structure=None,
+            seed=0):
+    return random_problem(seqlens_q, seqlens_k, hq, hkv, d, page_size=page_size, dtype=dtype, device="cuda",
+                          structure=structure, seed=seed)
+
+
+def layout(p):
+    return (p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"], p["max_seqlen_q"],
+            p["max_seqlen_k"])
+
+
+def kap(ops, p, stride, top_p=0.95, softmax_scale=None):
+    order, counts = ops.kap(*layout(p), stride, top_p, softmax_scale)
+    torch.cuda.synchronize()
+    return order, counts
+
+
+def query_blocks(p):
+    """(g, diagonal block) for every real query block of the packed numbering."""
+    cu, lk = p["cu_seqlens_q"].tolist(), p["seqused_k"].tolist()
+    g = 0
+    for b in range(len(lk)):
+        lq = cu[b + 1] - cu[b]
+        for i in range(R.cdiv(lq, R.BLOCK)):
+            yield g, (lk[b] - lq) // R.BLOCK + i
+            g += 1
+
+
+def valid_list(lst, scores, hrm, diagonal, top_p, tol=TOL):
+    """True iff ``lst`` is a stage-1 list of spec section 2 under ``scores``/``hrm`` (candidates
+    0..diagonal), every score comparison allowing a relative slack ``tol``: the HRM blocks first,
+    each group by decreasing score, the shortest prefix reaching top_p * T (every candidate when
+    top_p >= 1), then the forced sink and diagonal blocks if the prefix lacks them."""
+    lst = [int(x) for x in lst]
+    if len(set(lst)) != len(lst) or any(j < 0 or j > diagonal for j in lst):
+        return False
+    s = scores[: diagonal + 1].double().tolist()
+    h = hrm[: diagonal + 1].tolist()
+    total = sum(s)
+    hrm_blocks = {j for j in range(diagonal + 1) if h[j]}
+    n_hrm = len(hrm_blocks)
+    for n_forced in (0, 1, 2):  # how many trailing entries are forced blocks appended past the prefix
+        if n_forced >= len(lst):
+            break
+        prefix, tail = lst[: len(lst) - n_forced], lst[len(lst) - n_forced:]
+        if any(j not in (0, diagonal) or j in prefix for j in tail):
+            continue
+        if len(prefix) < n_hrm or set(prefix[:n_hrm]) != hrm_blocks:
+            continue
+        ok = all(s[prefix[k + 1]] <= s[prefix[k]] * (1 + tol)
+                 for k in range(len(prefix) - 1) if k + 1 != n_hrm)
+        rest = [s[j] for j in range(diagonal + 1) if j not in prefix]
+        kept = [s[j] for j in prefix[n_hrm:]]
+        if rest and kept:
+            ok &= max(rest) <= min(kept) * (1 + tol)
+        cumulative = 0.0
+        for j in prefix[:-1]:
+            cumulative += s[j]
+        if top_p >= 1:
+            ok &= len(prefix) == diagonal + 1  # every candidate, zero scores included
+        elif len(prefix) > max(n_hrm, 1):
+            ok &= cumulative < top_p * total * (1 + tol)  # no shorter prefix would do
+        ok &= cumulative + s[prefix[-1]] >= top_p * total * (1 - tol)
+        if len(tail) == 2:
+            ok &= s[tail[1]] <= s[tail[0]] * (1 + tol)
+        if ok:
+            return True
+    return False
+
+
+def assert_padding(p, order, counts):
+    real = sum(1 for _ in query_blocks(p))
+    assert (counts[:, real:] == 0).all()
+    assert (order[:, real:] == -1).all()
+
+
+def assert_shapes(p, order, counts):
+    total_q, hq, _ = p["q"].shape
+    nqb = R.num_q_blocks_bound(total_q, p["seqused_k"].shape[0], p["max_seqlen_q"])
+    assert order.shape == (hq, nqb, R.cdiv(p["max_seqlen_k"], R.BLOCK)) and order.dtype == torch.int32
+    assert counts.shape == (hq, nqb) and counts.dtype == torch.int32
+
+
+def assert_identical(ops, p, stride, top_p=0.95):
+    order, counts = kap(ops, p, stride, top_p)
+    ref_order, ref_counts = R.kap(*layout(p), stride=stride, top_p=top_p)
+    assert_shapes(p, order, counts)
+    same = (order == ref_order).all(-1) & (counts == ref_counts)
+    assert same.all(), f"{int((~same).sum())} of {same.numel()} lists differ from the reference"
+
+
+def assert_valid(ops, p, stride, top_p=0.95, max_invalid_fraction=0.0):
+    order, counts = kap(ops, p, stride, top_p)
+    assert_shapes(p, order, counts)
+    assert_padding(p, order, counts)
+    scores, hrm = R.kap_scores(*layout(p), stride=stride)
+    order, counts, scores, hrm = order.cpu(), counts.cpu(), scores.cpu(), hrm.cpu()
+    invalid = total = 0
+    for g, diagonal in query_blocks(p):
+        for h in range(order.shape[0]):
+            n = int(counts[h, g])
+            assert (order[h, g, n:] == -1).all()
+            total += 1
+            if not valid_list(order[h, g, :n], scores[h, g], hrm[h, g], diagonal, top_p):
+                invalid += 1
+    assert invalid <= max_invalid_fraction * total, f"{invalid} of {total} lists are not valid top-p lists"
+
+
+# Clear margins: identical lists.
+@pytest.mark.parametrize("stride", [4, 8, 16])
+@pytest.mark.parametrize("structure", ["needles", "sinks", "mixed"])
+def test_structured_identical(ops, stride, structure):
+    p = problem([1000, 333], [1000 + 512, 333], hq=8, hkv=2, page_size=32, structure=structure, seed=stride)
+    assert_identical(ops, p, stride)
+
+
+@pytest.mark.parametrize("page_size", [16, 128, 256])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (8, 1)])
+def test_structured_layouts(ops, page_size, hq, hkv):
+    p = problem([700, 129, 1], [700 + 256, 129, 1 + 1024], hq=hq, hkv=hkv, page_size=page_size,
+                structure="mixed", seed=page_size + hq // hkv)
+    assert_identical(ops, p, 8)
+
+
+@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.float16), (64, torch.float16)])
+def test_structured_head_dims_dtypes(ops, d, dtype):
+    p = problem([1536, 77], [1536 + 128, 77 + 384], hq=4, hkv=2, d=d, dtype=dtype, structure="mixed", seed=d)
+    assert_identical(ops, p, 8)
+
+
+def test_structured_top_p_one(ops):
+    p = problem([900], [900 + 256], hq=4, hkv=1, structure="needles", seed=3)
+    order, counts = kap(ops, p, 8, top_p=1.0)
+    for g, diagonal in query_blocks(p):
+        assert (counts[:, g] == diagonal + 1).all()  # every candidate kept
+    assert_identical(ops, p, 8, top_p=1.0)
+
+
+# Random inputs: valid lists under the reference's scores.
+@pytest.mark.parametrize("stride", [4, 8, 16])
+@pytest.mark.parametrize("seqlens_q,seqlens_k", [
+    ([2048], [2048]),
+    ([1000], [1000 + 512]),                      # not a multiple of 128 or of the stride; prefix
+    ([300, 1, 129, 777], [300 + 256, 1, 129, 777 + 128]),  # varlen with a 1-token sequence
+    ([200], [200 + 4096]),                       # long prefix: several column tiles per row
+])
+def test_random_valid(ops, stride, seqlens_q, seqlens_k):
+    p = problem(seqlens_q, seqlens_k, hq=8, hkv=2, page_size=16, seed=stride + len(seqlens_q))
+    # HRM is exact float equality of block maxima: a row whose two largest block maxima lie within
+    # float rounding of each other may flag a different block than the float32 reference does.
+    assert_valid(ops, p, stride, max_invalid_fraction=0.01)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 1.0])
+def test_random_top_p(ops, top_p):
+    p = problem([1200, 513], [1200 + 128, 513], hq=4, hkv=4, page_size=256, seed=11)
+    assert_valid(ops, p, 8, top_p=top_p, max_invalid_fraction=0.01)
+
+
+def test_scores_order_consistent(ops):
+    """With top_p = 1 every candidate is listed in the kernel's score order: that order must agree
+    with the reference scores up to the 1e-3 relative agreement the kernel promises."""
+    p = problem([1500], [1500 + 640], hq=8, hkv=2, page_size=64, seed=5)
+    order, counts = kap(ops, p, 8, top_p=1.0)
+    scores, hrm = R.kap_scores(*layout(p), stride=8)
+    order, scores, hrm = order.cpu(), scores.cpu(), hrm.cpu()
+    for g, diagonal in query_blocks(p):
+        for h in range(order.shape[0]):
+            lst = order[h, g, : diagonal + 1].long()
+            s, f = scores[h, g][lst], hrm[h, g][lst]
+            same_group = f[1:] == f[:-1]
+            assert (s[1:][same_group] <= s[:-1][same_group] * (1 + 1e-3)).all()
+
+
+def test_padding_rows(ops):
+    # Three short sequences: the row bound (total_q + 127 B) // 128 exceeds the real block count.
+    p = problem([5, 130, 40], [5, 130 + 128, 40], hq=4, hkv=2, page_size=16, structure="sinks", seed=2)
+    order, counts = kap(ops, p, 8)
+    assert order.shape[1] > 4
+    assert_padding(p, order, counts)
+    assert_identical(ops, p, 8)
+
+
+def test_deterministic(ops):
+    p = problem([3000], [3000], hq=8, hkv=1, page_size=128, seed=9)
+    first = kap(ops, p, 8)
+    for _ in range(3):
+        again = kap(ops, p, 8)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_cuda_graph_capture(ops):
+    p = problem([1000, 300], [1000 + 256, 300], hq=8, hkv=2, page_size=64, structure="mixed", seed=4)
+    eager = kap(ops, p, 8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kap(ops, p, 8)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.kap(*layout(p), 8, 0.95, None)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+def test_explicit_softmax_scale(ops):
+    p = problem([800], [800 + 128], hq=4, hkv=2, structure="needles", seed=6)
+    scale = 0.5 / math.sqrt(128)
+    order, counts = kap(ops, p, 8, softmax_scale=scale)
+    ref_order, ref_counts = R.kap(*layout(p), stride=8, softmax_scale=scale)
+    assert torch.equal(order, ref_order) and torch.equal(counts, ref_counts)
