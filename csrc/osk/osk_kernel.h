@@ -1,0 +1,68 @@
+// The OSK kernel: one CTA of three warpgroups per (query head, 128-row query block) tile.
+// Warpgroup 0 (few registers) loads Q once and the listed K/V blocks through the page table
+// (TMA for whole blocks, cp.async for the one holding Lk) into a kStages-deep mbarrier
+// pipeline; warpgroups 1 and 2 (many registers) each own 64 query rows and walk the list in
+// order (osk_mainloop.h), then store O and LSE (osk_epilogue.h).
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "osk/osk_epilogue.h"
+#include "osk/osk_mainloop.h"
+#include "osk/osk_sync.h"
+#include "osk/osk_tile_scheduler.h"
+
+namespace cosa::osk {
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+    osk_fwd_kernel(const __grid_constant__ OskKernelParams kp) {
+  using Mainloop = OskMainloop<Traits>;
+  using Storage = OskSharedStorage<Traits>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Storage& storage = *reinterpret_cast<Storage*>(smem_raw);
+
+  const OskTile tile = OskTileScheduler::get_tile(kp);
+  if (!tile.valid) {  // padding row of order/counts/skipped: only skipped is defined there
+    if (threadIdx.x == 0) {
+      kp.args.skipped[static_cast<int64_t>(tile.head) * kp.args.layout.num_q_blocks + tile.row] = 0;
+    }
+    return;
+  }
+
+  if (threadIdx.x == 0) {
+    MBarrier::init(&storage.q_full, Traits::kNumProducerThreads);
+    for (int s = 0; s < Traits::kStages; ++s) {
+      // One arrival per producer warp (plus the TMA transaction bytes of whole blocks).
+      MBarrier::init(&storage.k_full[s], Traits::kNumProducerThreads / 32);
+      MBarrier::init(&storage.v_full[s], Traits::kNumProducerThreads / 32);
+      // Released by lane 0 of each consumer warp once its MMA reading the stage is done.
+      MBarrier::init(&storage.k_empty[s], Traits::kNumConsumerThreads / 32);
+      MBarrier::init(&storage.v_empty[s], Traits::kNumConsumerThreads / 32);
+    }
+    MBarrier::fence_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x / 128 == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    Mainloop::load(kp, tile, storage);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    typename Traits::TiledMmaPV mma_pv;
+    Tensor tOrO = partition_fragment_C(
+        mma_pv, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
+    clear(tOrO);
+    typename Mainloop::RowState rows;
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      rows.max[rh] = -INFINITY;
+      rows.sum[rh] = 0.f;
+    }
+    int skipped = 0;
+    Mainloop::mma(kp, tile, storage, tOrO, rows, skipped);
+    OskEpilogue<Traits>::store(kp, tile, tOrO, rows, skipped);
+  }
+}
+
+}  // namespace cosa::osk

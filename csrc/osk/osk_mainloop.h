@@ -1,0 +1,420 @@
+// The OSK main loop (spec section 3): the producer's paged loads of Q, K and V into the stage
+// pipeline (`load`), and the consumers' walk over the tile's ordered list (`mma`): S = Q K^T, masks,
+// row max, the tile-wide skip vote, online softmax and O += P V.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/mma_sm90.h>
+#include <cutlass/numeric_conversion.h>
+
+#include "osk/osk_sync.h"
+#include "osk/osk_tile_scheduler.h"
+#include "osk/osk_traits.h"
+
+namespace cosa::osk {
+
+using namespace cute;
+
+template <class Traits>
+struct OskSharedStorage {
+  using Element = typename Traits::Element;
+  // The 128-byte swizzle repeats every 1024 bytes: every tile starts on such a boundary.
+  alignas(1024) Element q[cosize_v<typename Traits::SmemLayoutQ>];
+  alignas(1024) Element k[cosize_v<typename Traits::SmemLayoutKV>];
+  alignas(1024) Element v[cosize_v<typename Traits::SmemLayoutKV>];
+  uint64_t q_full;
+  uint64_t k_full[Traits::kStages];
+  uint64_t k_empty[Traits::kStages];
+  uint64_t v_full[Traits::kStages];
+  uint64_t v_empty[Traits::kStages];
+  // Tile vote: one byte per consumer warp, double-buffered by list position parity so that a
+  // warp voting on block k+1 never overwrites a slot still being read for block k (a barrier
+  // separates consecutive votes).
+  alignas(8) uint8_t vote[2][8];
+};
+
+// Issues one warpgroup-wide MMA over the whole K extent, C (+)= A B, as one commit group, and
+// returns at once: the caller waits (warpgroup_wait) and fences C before touching it.
+template <bool kZeroInit, class TiledMma, class FragA, class FragB, class FragC>
+__device__ __forceinline__ void warpgroup_gemm_issue(TiledMma& tiled_mma, FragA& a, FragB const& b,
+                                                     FragC& c) {
+  // RS form (A from registers) unless the atom's A fragment is a shared-memory descriptor.
+  constexpr bool kARegisters =
+      !cute::is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (kARegisters) { warpgroup_fence_operand(a); }
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  tiled_mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(tiled_mma, a(_, _, kb), b(_, _, kb), c);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+template <class Traits>
+struct OskMainloop {
+  using Element = typename Traits::Element;
+  using Storage = OskSharedStorage<Traits>;
+  static constexpr int kStages = Traits::kStages;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kChunksPerRow = Traits::kChunksPerRow;
+  static constexpr int kRowsPerPass = Traits::kRowsPerPass;
+  static constexpr int kPasses = Traits::kPasses;
+  // Shared-memory bytes between a thread's consecutive passes (kRowsPerPass rows further down).
+  static constexpr uint32_t kPassBytes =
+      uint32_t(Traits::swizzled_offset(kRowsPerPass, 0) * sizeof(Element));
+  static constexpr uint32_t kTileBytes = uint32_t(Traits::kTileElems * sizeof(Element));
+  // Accumulator registers of one thread for a 64 x 128 slice of S: 2 rows x 32 columns.
+  static constexpr int kScoresPerThread = kBlockN / 2;
+
+  // ---------------------------------------------------------------- producer (warpgroup 0)
+
+  // Lane l of each producer warp holds the physical page of the l-th page of key block `block`
+  // (a 128-key block spans 128 / page_size pages, or part of one page when page_size >= 128).
+  __device__ static int lane_page(const OskKernelParams& kp, const OskTile& t, int block,
+                                  int lane) {
+    const PagedLayout& layout = kp.args.layout;
+    const int pages_per_block = kp.log2_page_size >= 7 ? 1 : (kBlockN >> kp.log2_page_size);
+    const int page_in_seq = ((block * kBlockN) >> kp.log2_page_size) + lane;
+    const bool live = lane < pages_per_block && block >= 0 &&
+                      (page_in_seq << kp.log2_page_size) < t.seqlen_k;
+    return live ? layout.page_table[static_cast<int64_t>(t.batch) * layout.page_table_stride +
+                                    page_in_seq]
+                : 0;
+  }
+
+  // Gathers key block `block` of one cache (K or V) with cp.async into the tile whose address
+  // (plus this thread's swizzled offset) is `smem_thread`; keys at or past Lk are zero-filled
+  // without being read. `src_head` points at page 0, row 0 of this thread's head_dim chunk of KV
+  // head `head_kv`; `page` is lane_page() of this block.
+  __device__ static void gather_kv_block(const OskKernelParams& kp, const OskTile& t,
+                                         uint32_t smem_thread, const Element* src_head,
+                                         int64_t page_stride, int64_t row_stride, int block,
+                                         int page, int row0) {
+    const int page_mask = (1 << kp.log2_page_size) - 1;
+    CUTE_UNROLL
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int row = row0 + pass * kRowsPerPass;
+      const int token = block * kBlockN + row;
+      const int page_of_row = __shfl_sync(0xffffffffu, page,
+                                          kp.log2_page_size >= 7 ? 0 : (row >> kp.log2_page_size));
+      const bool live = static_cast<unsigned>(token) < static_cast<unsigned>(t.seqlen_k);
+      const Element* src =
+          src_head + static_cast<int64_t>(page_of_row) * page_stride +
+          static_cast<int64_t>(token & page_mask) * row_stride;
+      cp_async_16_zfill(smem_thread + pass * kPassBytes, live ? src : src_head, live);
+    }
+  }
+
+  // Where one cache (K or V) lives, for both load paths.
+  struct KVSource {
+    const CUtensorMap* tma;
+    const Element* src_head;  // this thread's chunk of KV head head_kv, page 0, row 0
+    int64_t page_stride;
+    int64_t row_stride;
+    uint32_t smem;  // stage 0 of the tile buffer
+  };
+
+  // Loads key block `block` of one cache into stage buffer `stage` and arrives on `full`, which
+  // expects one arrival per producer warp. Whole blocks travel by TMA (warp 0: one box per page
+  // and 64-column half); the block holding Lk is gathered with cp.async by all producer threads,
+  // zero-filling the keys past Lk (the rest of that page may hold anything, NaN included, and
+  // P = 0 times NaN would still poison P V).
+  __device__ static void load_kv_block(const OskKernelParams& kp, const OskTile& t,
+                                       const KVSource& src, int stage, int block, uint64_t* full,
+                                       int thread, uint32_t thread_smem_offset, int row0) {
+    const int lane = thread % 32;
+    const int warp = thread / 32;
+    const uint32_t smem_tile = src.smem + stage * kTileBytes;
+    const bool whole_block = kp.kv_tma && block >= 0 && (block + 1) * kBlockN <= t.seqlen_k;
+    if (whole_block) {
+      if (warp == 0) {
+        constexpr int kHalves = Traits::kHeadDim / 64;
+        constexpr uint32_t kHalfBytes = kBlockN * 64 * sizeof(Element);
+        const int page = lane_page(kp, t, block, lane);
+        const int pages = kp.log2_page_size >= 7 ? 1 : (kBlockN >> kp.log2_page_size);
+        const int box_rows = kBlockN / pages;
+        const int row_in_page =
+            kp.log2_page_size >= 7 ? (block * kBlockN) & ((1 << kp.log2_page_size) - 1) : 0;
+        if (lane == 0) { MBarrier::arrive_expect_tx(full, kTileBytes); }
+        __syncwarp();
+        const int box_page = lane / kHalves;
+        const int half = lane % kHalves;
+        const int page_of_box = __shfl_sync(0xffffffffu, page, box_page);
+        if (lane < pages * kHalves) {
+          tma_load_4d(smem_tile + half * kHalfBytes + box_page * box_rows * 64 * sizeof(Element),
+                      src.tma, full, half * 64, t.head_kv, row_in_page, page_of_box);
+        }
+      } else if (lane == 0) {
+        MBarrier::arrive(full);
+      }
+    } else {
+      const int page = lane_page(kp, t, block, lane);
+      gather_kv_block(kp, t, smem_tile + thread_smem_offset, src.src_head, src.page_stride,
+                      src.row_stride, block, page, row0);
+      MBarrier::hold_for_cp_async(full);
+      __syncwarp();
+      if (lane == 0) { MBarrier::arrive(full); }
+    }
+  }
+
+  __device__ static void load(const OskKernelParams& kp, const OskTile& t, Storage& storage) {
+    const OskParams& args = kp.args;
+    const PagedLayout& layout = args.layout;
+    const int thread = threadIdx.x % Traits::kNumProducerThreads;
+    const int lane = thread % 32;
+    const int chunk = thread % kChunksPerRow;
+    const int row0 = thread / kChunksPerRow;
+    const uint32_t thread_smem_offset =
+        uint32_t(Traits::swizzled_offset(row0, chunk) * sizeof(Element));
+    if (t.count == 0) { return; }
+
+    // Q, once per tile, by cp.async; rows past Lq are zero-filled.
+    {
+      const Element* q_head = static_cast<const Element*>(layout.q) +
+                              static_cast<int64_t>(t.head) * layout.q_head_stride + chunk * 8;
+      const uint32_t smem_q = smem_addr(storage.q) + thread_smem_offset;
+      CUTE_UNROLL
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int row_in_seq = t.block_in_seq * Traits::kBlockM + row0 + pass * kRowsPerPass;
+        const bool live = row_in_seq < t.seqlen_q;
+        const Element* src =
+            q_head + static_cast<int64_t>(t.q_start + row_in_seq) * layout.q_row_stride;
+        cp_async_16_zfill(smem_q + pass * kPassBytes, live ? src : q_head, live);
+      }
+      MBarrier::arrive_on_cp_async(&storage.q_full);
+    }
+
+    const KVSource k_src{&kp.tma_k,
+                         static_cast<const Element*>(layout.k_cache) +
+                             static_cast<int64_t>(t.head_kv) * layout.k_head_stride + chunk * 8,
+                         layout.k_page_stride, layout.k_row_stride, smem_addr(storage.k)};
+    const KVSource v_src{&kp.tma_v,
+                         static_cast<const Element*>(layout.v_cache) +
+                             static_cast<int64_t>(t.head_kv) * layout.v_head_stride + chunk * 8,
+                         layout.v_page_stride, layout.v_row_stride, smem_addr(storage.v)};
+    const int32_t* list =
+        args.order + (static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row) *
+                         layout.max_k_blocks;
+
+    auto load_v = [&](int k, int block) {
+      const int stage = k % kStages;
+      MBarrier::wait(&storage.v_empty[stage], ((k / kStages) & 1) ^ 1);
+      load_kv_block(kp, t, v_src, stage, block, &storage.v_full[stage], thread,
+                    thread_smem_offset, row0);
+    };
+
+    // K of list entry k goes out before V of entry k-1 (the consumers need S before P V).
+    int list_window = 0;
+    int prev_block = 0;
+    for (int k = 0; k < t.count; ++k) {
+      if ((k & 31) == 0) {  // read the list ahead, 32 entries per warp load
+        list_window = k + lane < t.count ? list[k + lane] : 0;
+      }
+      const int block = __shfl_sync(0xffffffffu, list_window, k & 31);
+      const int stage = k % kStages;
+      MBarrier::wait(&storage.k_empty[stage], ((k / kStages) & 1) ^ 1);
+      load_kv_block(kp, t, k_src, stage, block, &storage.k_full[stage], thread,
+                    thread_smem_offset, row0);
+      if (k > 0) { load_v(k - 1, prev_block); }
+      prev_block = block;
+    }
+    load_v(t.count - 1, prev_block);
+    // Stay resident until this thread's copies have landed.
+    cp_async_wait_all();
+  }
+
+  // ---------------------------------------------------------------- consumers (warpgroups 1, 2)
+
+  // Per-thread online-softmax state for the thread's two rows (raw-logit units, unscaled).
+  struct RowState {
+    float max[2];
+    float sum[2];  // partial: this thread's columns only, reduced across the quad at the end
+  };
+
+  template <class FragO>
+  __device__ static void mma(const OskKernelParams& kp, const OskTile& t, Storage& storage,
+                             FragO& tOrO, RowState& rows, int& skipped) {
+    using TiledMmaQK = typename Traits::TiledMmaQK;
+    using TiledMmaPV = typename Traits::TiledMmaPV;
+    const OskParams& args = kp.args;
+    const PagedLayout& layout = args.layout;
+    const int thread = threadIdx.x - Traits::kNumProducerThreads;  // 0..255
+    const int lane = thread % 32;
+    const int warp = thread / 32;  // 0..7 over both consumer warpgroups
+
+    TiledMmaQK mma_qk;
+    TiledMmaPV mma_pv;
+    auto thread_qk = mma_qk.get_thread_slice(thread);
+    auto thread_pv = mma_pv.get_thread_slice(thread);
+    Tensor sQ = make_tensor(make_smem_ptr(storage.q), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.k), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(make_smem_ptr(storage.v), typename Traits::SmemLayoutVt{});
+    Tensor tSrQ = thread_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thread_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+    Tensor tOrV = thread_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<Traits::kBlockM>, Int<kBlockN>>{});
+    static_assert(decltype(size(tSrS))::value == kScoresPerThread);
+    // P as the A operand of the RS MMA: the accumulator's register order is already the
+    // A-fragment order (pairs of 8-column groups form one k16 slice).
+    using LayoutP = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>;
+    Tensor tOrP = make_tensor<Element>(LayoutP{});
+
+    // Accumulator element v of this thread sits at row (rh = (v >> 1) & 1), column
+    // 8 * (v >> 2) + 2 * (lane % 4) + (v & 1) of the warpgroup's 64 x 128 slice.
+    int row_in_tile[2];
+    bool row_live[2];
+    int query_pos[2];  // key coordinate of the row's query: P_b + i * 128 + row
+    const int prefix = t.seqlen_k - t.seqlen_q;
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      row_in_tile[rh] = warp * 16 + rh * 8 + lane / 4;
+      const int row_in_seq = t.block_in_seq * Traits::kBlockM + row_in_tile[rh];
+      row_live[rh] = row_in_seq < t.seqlen_q;
+      query_pos[rh] = prefix + row_in_seq;
+    }
+
+    // tau = ln(delta / N) in scaled-logit units; compared here on raw logits. delta <= 0 or
+    // delta >= N switches the skip off for this sequence (spec section 3).
+    const bool skip_enabled = args.delta > 0.f && args.delta < float(t.seqlen_k);
+    const float tau_raw =
+        skip_enabled ? logf(args.delta / float(t.seqlen_k)) / layout.softmax_scale : 0.f;
+    const float scale_log2 = kp.scale_log2;
+
+    const int32_t* list = args.order + (static_cast<int64_t>(t.head) * layout.num_q_blocks +
+                                        t.row) * layout.max_k_blocks;
+    if (t.count == 0) { return; }  // nothing was loaded; the epilogue writes zeros and -inf
+    MBarrier::wait(&storage.q_full, 0);
+
+    // Intra-warpgroup overlap (as FlashAttention-3): the P V product of the last computed block
+    // is issued right after S = Q K^T of the next one and runs while that block's mask, vote and
+    // exponentials execute. `pv_pending` says P (in tOrP) and its V stage still await that product.
+    bool pv_pending = false;
+    int pv_stage = 0;
+    uint32_t pv_parity = 0;
+    auto finish_pv = [&]() {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      __syncwarp();
+      if (lane == 0) { MBarrier::arrive(&storage.v_empty[pv_stage]); }
+      pv_pending = false;
+    };
+    for (int k = 0; k < t.count; ++k) {
+      const int block = __ldg(list + k);
+      const int stage = k % kStages;
+      const uint32_t parity = (k / kStages) & 1;
+
+      MBarrier::wait(&storage.k_full[stage], parity);
+      if (pv_pending) { MBarrier::wait(&storage.v_full[pv_stage], pv_parity); }
+      warpgroup_gemm_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
+      if (pv_pending) {
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, pv_stage), tOrO);
+        warpgroup_wait<1>();  // S is ready; the P V product may still run
+      } else {
+        warpgroup_wait<0>();
+      }
+      warpgroup_fence_operand(tSrS);
+      __syncwarp();
+      if (lane == 0) { MBarrier::arrive(&storage.k_empty[stage]); }
+
+      // Causal mask (only the diagonal block and blocks past it reach above a row's query) and
+      // keys past Lk (only the last key block). Rows past Lq are left as they are: they never vote
+      // and are never stored.
+      if (block >= t.diagonal || (block + 1) * kBlockN > t.seqlen_k) {
+        const int key_limit = t.seqlen_k - 1 - block * kBlockN;  // last live key, block-relative
+        CUTE_UNROLL
+        for (int v = 0; v < kScoresPerThread; ++v) {
+          const int rh = (v >> 1) & 1;
+          const int col = 8 * (v >> 2) + 2 * (lane % 4) + (v & 1);
+          const int causal_limit = query_pos[rh] - block * kBlockN;
+          if (col > causal_limit || col > key_limit) { tSrS(v) = -INFINITY; }
+        }
+      }
+
+      float block_max[2] = {-INFINITY, -INFINITY};
+      CUTE_UNROLL
+      for (int v = 0; v < kScoresPerThread; ++v) {
+        const int rh = (v >> 1) & 1;
+        block_max[rh] = fmaxf(block_max[rh], tSrS(v));
+      }
+      float new_max[2];
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh) {
+        block_max[rh] = fmaxf(block_max[rh], __shfl_xor_sync(0xffffffffu, block_max[rh], 1));
+        block_max[rh] = fmaxf(block_max[rh], __shfl_xor_sync(0xffffffffu, block_max[rh], 2));
+        new_max[rh] = fmaxf(rows.max[rh], block_max[rh]);
+      }
+
+      // The tile vote: skip iff every live row of both warpgroups says m_loc - m_new < tau.
+      bool skip = false;
+      if (skip_enabled && k > 0) {
+        bool rows_skip = true;
+        CUTE_UNROLL
+        for (int rh = 0; rh < 2; ++rh) {
+          const bool row_skip = !row_live[rh] || block_max[rh] == -INFINITY ||
+                                block_max[rh] - new_max[rh] < tau_raw;
+          rows_skip = rows_skip && row_skip;
+        }
+        const bool warp_skip = __all_sync(0xffffffffu, rows_skip);
+        if (lane == 0) { storage.vote[k & 1][warp] = warp_skip ? 1 : 0; }
+        named_barrier_sync(NamedBarrierId::kTileVote, Traits::kNumConsumerThreads);
+        const uint64_t votes = *reinterpret_cast<volatile uint64_t*>(storage.vote[k & 1]);
+        skip = votes == 0x0101010101010101ull;
+      }
+
+      if (skip) {
+        // No exp, no row sum, no rescale, no P V; the V stage is still waited for and released
+        // so that the pipeline's phases stay in step with the producer.
+        ++skipped;
+        if (pv_pending) { finish_pv(); }
+        MBarrier::wait(&storage.v_full[stage], parity);
+        __syncwarp();
+        if (lane == 0) { MBarrier::arrive(&storage.v_empty[stage]); }
+        continue;
+      }
+
+      float rescale[2];
+      float max_scaled[2];
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh) {
+        // A row with no live key so far keeps max -inf: exponentiate against 0 instead.
+        max_scaled[rh] = new_max[rh] == -INFINITY ? 0.f : new_max[rh] * scale_log2;
+        rescale[rh] = exp2f(rows.max[rh] * scale_log2 - max_scaled[rh]);
+        rows.max[rh] = new_max[rh];
+        rows.sum[rh] *= rescale[rh];
+      }
+      CUTE_UNROLL
+      for (int v = 0; v < kScoresPerThread; ++v) {
+        const int rh = (v >> 1) & 1;
+        const float p = exp2f(tSrS(v) * scale_log2 - max_scaled[rh]);
+        tSrS(v) = p;
+        rows.sum[rh] += p;
+      }
+      // O and P are free once the previous P V product is done.
+      if (pv_pending) { finish_pv(); }
+      CUTE_UNROLL
+      for (int v = 0; v < size(tOrO); ++v) { tOrO(v) *= rescale[(v >> 1) & 1]; }
+      {
+        using Converter = cutlass::NumericArrayConverter<Element, float, kScoresPerThread>;
+        auto const& src =
+            *reinterpret_cast<cutlass::Array<float, kScoresPerThread> const*>(tSrS.data());
+        auto& dst = *reinterpret_cast<cutlass::Array<Element, kScoresPerThread>*>(
+            raw_pointer_cast(tOrP.data()));
+        dst = Converter{}(src);
+      }
+      pv_pending = true;
+      pv_stage = stage;
+      pv_parity = parity;
+    }
+    if (pv_pending) {
+      MBarrier::wait(&storage.v_full[pv_stage], pv_parity);
+      warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, pv_stage), tOrO);
+      finish_pv();
+    }
+  }
+};
+
+}  // namespace cosa::osk

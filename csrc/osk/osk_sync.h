@@ -1,0 +1,92 @@
+// The few synchronisation and copy primitives the OSK kernel uses, as thin PTX wrappers:
+// CTA-local mbarriers (the K/V stage pipeline), named barriers (the tile vote), TMA box loads
+// (whole K/V blocks) and 16-byte cp.async with zero fill (Q and partial K/V blocks).
+#pragma once
+
+#include <cstdint>
+
+#include <cute/arch/util.hpp>  // cute::cast_smem_ptr_to_uint
+
+namespace cosa::osk {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+  return cute::cast_smem_ptr_to_uint(ptr);
+}
+
+struct MBarrier {
+  __device__ __forceinline__ static void init(uint64_t* bar, int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals));
+  }
+  // Makes the initialisations visible to the async proxy and the other threads (followed by a
+  // CTA-wide barrier at the call site).
+  __device__ __forceinline__ static void fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __device__ __forceinline__ static void arrive(uint64_t* bar) {
+    asm volatile(
+        "{\n\t.reg .b64 state;\n\t"
+        "mbarrier.arrive.shared::cta.b64 state, [%0];\n\t}\n" ::"r"(smem_addr(bar))
+        : "memory");
+  }
+  // Arrives and adds `bytes` to the transaction count the current phase waits for (TMA).
+  __device__ __forceinline__ static void arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+  }
+  // Arrives once all cp.async issued so far by this thread have landed; counts as one of the
+  // barrier's expected arrivals (noinc).
+  __device__ __forceinline__ static void arrive_on_cp_async(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar))
+                 : "memory");
+  }
+  // Holds the current phase open until all cp.async issued so far by this thread have landed,
+  // without counting as an arrival (a separate arrive() does that).
+  __device__ __forceinline__ static void hold_for_cp_async(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar))
+                 : "memory");
+  }
+  // Blocks until the phase with parity `parity` has completed.
+  __device__ __forceinline__ static void wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n\t.reg .pred done;\n"
+        "OSK_WAIT_%=:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+        "@!done bra OSK_WAIT_%=;\n\t}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+  }
+};
+
+// Named barrier ids 0..7 are used by __syncthreads and reserved by CUTLASS; ours start at 8.
+enum class NamedBarrierId : uint32_t { kTileVote = 8 };
+
+__device__ __forceinline__ void named_barrier_sync(NamedBarrierId id, uint32_t num_threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
+}
+
+// 16-byte global -> shared copy that writes zeros instead when `valid` is false (src-size 0:
+// nothing is read, so `src` only has to be some address of the same allocation).
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t dst_smem, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_smem), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// TMA: one box of a 4-D tensor map (coordinates innermost first) into shared memory, completing
+// `bytes` of the barrier's transaction count.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst_smem, const void* tensor_map, uint64_t* bar,
+                                            int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst_smem),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+}  // namespace cosa::osk

@@ -1,0 +1,172 @@
+"""torch.ops.cosa.osk (the Hopper OSK kernel, csrc/osk/) against cosa.reference.osk (float32).
+
+Covers dense (every causal block) and KAP lists, random and structured inputs, the skip counts on
+inputs with clear margins from the threshold, order invariance with the skip off, determinism,
+padding rows and empty lists, over head dims, dtypes, page sizes, GQA ratios, varlen batches and
+prefixes (spec sections 1 and 3)."""
+
+import math
+
+import pytest
+import torch
+
+from cosa import reference as R
+from cosa.testing import random_problem
+
+from helpers import dense_order, permute_lists, rel_err, run_kap, run_osk
+
+pytestmark = pytest.mark.gpu
+
+
+def problem(seqlens_q, seqlens_k, hq=8, hkv=2, d=128, page_size=64, dtype=torch.bfloat16, structure=None,
+            seed=0, **kw):
+    return random_problem(seqlens_q, seqlens_k, hq, hkv, d, page_size=page_size, dtype=dtype, device="cuda",
+                          structure=structure, seed=seed, **kw)
+
+
+def osk(ops, p, order, counts, delta):
+    out, lse, skipped = ops.osk(p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"],
+                                p["seqused_k"], order, counts, p["max_seqlen_q"], None, delta)
+    torch.cuda.synchronize()
+    return out, lse, skipped
+
+
+def assert_matches_reference(p, got, order, counts, delta, check_skips=True):
+    out, lse, skipped = got
+    ref_out, ref_lse, ref_skipped = run_osk(p, order, counts, delta=delta)
+    assert out.shape == p["q"].shape and out.dtype == p["q"].dtype
+    assert not out.isnan().any() and not lse.isnan().any()
+    err = rel_err(out, ref_out)
+    assert err < 1e-2, f"relative error {err:.3e}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)), "lse is finite on different rows"
+    lse_err = float((lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0
+    assert lse_err < 1e-3, f"lse error {lse_err:.3e}"
+    if check_skips:
+        assert torch.equal(skipped, ref_skipped), (
+            f"skip counts differ on {int((skipped != ref_skipped).sum())} tiles "
+            f"(kernel {int(skipped.sum())}, reference {int(ref_skipped.sum())})")
+
+
+# (seqlens_q, seqlens_k, Hq, Hkv, head_dim, page_size, dtype): odd lengths, varlen batches,
+# prefixes (P_b % 128 == 0), GQA 1/4/8, page sizes 16..256, both head dims and dtypes.
+SHAPES = [
+    ([1000], [1000], 8, 2, 128, 64, torch.bfloat16),
+    ([300, 129, 1], [300 + 256, 129, 1 + 128], 4, 1, 64, 16, torch.float16),
+    ([700], [700 + 384], 4, 4, 128, 256, torch.float16),
+    ([257, 77], [257 + 128, 77], 8, 1, 128, 16, torch.bfloat16),
+    ([513], [513], 8, 8, 64, 128, torch.bfloat16),
+    ([190, 600], [190 + 640, 600], 8, 2, 64, 256, torch.float16),
+    ([640], [640 + 1024], 16, 2, 128, 32, torch.bfloat16),
+]
+
+
+def shape_id(shape):
+    lq, lk, hq, hkv, d, ps, dt = shape
+    return f"q{lq}-k{lk}-h{hq}/{hkv}-d{d}-p{ps}-{str(dt)[6:]}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_dense_lists_match_reference(ops, shape):
+    lq, lk, hq, hkv, d, ps, dt = shape
+    p = problem(lq, lk, hq, hkv, d, ps, dt, seed=1)
+    order, counts = dense_order(p)
+    got = osk(ops, p, order, counts, delta=0.0)
+    assert_matches_reference(p, got, order, counts, 0.0)
+    assert int(got[2].sum()) == 0
+
+
+@pytest.mark.parametrize("structure", [None, "needles", "sinks", "band", "mixed"])
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=shape_id)
+def test_kap_lists_match_reference(ops, shape, structure):
+    lq, lk, hq, hkv, d, ps, dt = shape
+    p = problem(lq, lk, hq, hkv, d, ps, dt, structure=structure, seed=2)
+    order, counts = run_kap(p)
+    # delta 0: no skip; delta 100 < N: the skip is on (tau = ln(100 / N)). Random inputs can put a
+    # block right at the threshold, so skip counts are compared on the structured inputs only.
+    for delta in (0.0, 100.0):
+        got = osk(ops, p, order, counts, delta)
+        assert_matches_reference(p, got, order, counts, delta, check_skips=structure is not None or delta == 0)
+
+
+@pytest.mark.parametrize("d,dt", [(128, torch.bfloat16), (64, torch.float16)])
+def test_skip_counts_with_planted_margins(ops, d, dt):
+    """Block 0 holds logits far above everything else (attention sinks): listed first, every later
+    block of every tile is skipped; listed last, none is (each earlier block raises the max)."""
+    p = problem([1500, 300], [1500 + 512, 300], 8, 2, d, 64, dt, structure="sinks", seed=3, scale_logit=25.0)
+    order, counts = dense_order(p)
+    got = osk(ops, p, order, counts, delta=200.0)
+    assert_matches_reference(p, got, order, counts, 200.0)
+    assert torch.equal(got[2], (counts - 1).clamp(min=0)), "every block after the sink block must be skipped"
+    # Sink block last: descending order never skips (a new block is never far below the running max
+    # on random logits, and the sink block raises it).
+    reversed_order = order.clone()
+    for h in range(order.shape[0]):
+        for g in range(order.shape[1]):
+            n = int(counts[h, g])
+            reversed_order[h, g, :n] = order[h, g, :n].flip(0)
+    got = osk(ops, p, reversed_order, counts, delta=200.0)
+    assert_matches_reference(p, got, reversed_order, counts, 200.0)
+    assert int(got[2].sum()) == 0
+
+
+def test_skip_off_when_delta_reaches_the_length(ops):
+    p = problem([300], [300 + 256], 4, 2, 128, 64, torch.bfloat16, structure="sinks", seed=4, scale_logit=25.0)
+    order, counts = dense_order(p)
+    for delta in (556.0, 1e6, -1.0):  # delta >= N, or <= 0: no skip
+        got = osk(ops, p, order, counts, delta)
+        assert int(got[2].sum()) == 0
+        assert_matches_reference(p, got, order, counts, delta)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[6]], ids=shape_id)
+def test_order_invariance_without_skip(ops, shape):
+    lq, lk, hq, hkv, d, ps, dt = shape
+    p = problem(lq, lk, hq, hkv, d, ps, dt, structure="mixed", seed=5)
+    order, counts = run_kap(p, top_p=0.9)
+    permuted = permute_lists(order.cpu(), counts.cpu(), torch.Generator().manual_seed(0)).to(order.device)
+    out_a, lse_a, _ = osk(ops, p, order, counts, 0.0)
+    out_b, lse_b, _ = osk(ops, p, permuted, counts, 0.0)
+    assert rel_err(out_b, out_a) < 5e-3
+    finite = torch.isfinite(lse_a)
+    assert torch.equal(finite, torch.isfinite(lse_b))
+    assert float((lse_a[finite] - lse_b[finite]).abs().max()) < 1e-3
+
+
+def test_repeated_runs_are_bitwise_identical(ops):
+    p = problem([900, 200], [900 + 128, 200], 8, 2, 128, 32, torch.bfloat16, structure="mixed", seed=6)
+    order, counts = run_kap(p)
+    first = osk(ops, p, order, counts, 200.0)
+    for _ in range(2):
+        again = osk(ops, p, order, counts, 200.0)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_padding_rows_and_empty_lists(ops):
+    # seqlens_q [256, 128, 128]: 4 real query blocks, 6 rows in order/counts (the host-side bound).
+    p = problem([256, 128, 128], [256 + 128, 128, 128], 4, 2, 128, 16, torch.bfloat16, seed=7)
+    order, counts = dense_order(p)
+    assert counts.shape[1] == R.num_q_blocks_bound(p["q"].shape[0], 3, p["max_seqlen_q"]) == 6
+    counts = counts.clone()
+    counts[1, 0] = 0  # an empty list: out = 0 and lse = -inf on that tile's rows
+    out, lse, skipped = osk(ops, p, order, counts, 200.0)
+    assert_matches_reference(p, (out, lse, skipped), order, counts, 200.0)
+    assert torch.equal(skipped[:, 4:], torch.zeros_like(skipped[:, 4:]))
+    assert torch.equal(out[:128, 1], torch.zeros_like(out[:128, 1]))
+    assert bool((lse[1, :128] == -math.inf).all())
+
+
+@pytest.mark.parametrize("page_size", [16, 128, 256])
+def test_cache_rows_past_the_end_are_never_used(ops, page_size):
+    # NaN in the unused rows of each sequence's last page (a real cache holds anything there): the
+    # kernel must neither read them into P V nor let them reach the output.
+    p = problem([300, 77], [300 + 128, 77], 4, 2, 128, page_size, torch.bfloat16, seed=8)
+    for b, lk in enumerate(p["seqused_k"].tolist()):
+        if lk % page_size:
+            page = int(p["page_table"][b, (lk - 1) // page_size])
+            p["k_cache"][page, lk % page_size:] = float("nan")
+            p["v_cache"][page, lk % page_size:] = float("nan")
+    order, counts = dense_order(p)
+    got = osk(ops, p, order, counts, 0.0)
+    assert_matches_reference(p, got, order, counts, 0.0)
