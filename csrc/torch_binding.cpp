@@ -23,7 +23,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
-#include <sstream>
+#include <type_traits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -56,8 +56,8 @@ TORCH_LIBRARY(cosa, m) {
 
 // Each failed check names the op and the argument: TypeError for a wrong dtype, ValueError for
 // everything else (the exception types of the CPU path).
-#define COSA_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, "cosa.", op, ": ", __VA_ARGS__)
-#define COSA_CHECK_TYPE(cond, op, ...) TORCH_CHECK_TYPE(cond, "cosa.", op, ": ", __VA_ARGS__)
+#define COSA_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, message("cosa.", op, ": ", __VA_ARGS__))
+#define COSA_CHECK_TYPE(cond, op, ...) TORCH_CHECK_TYPE(cond, message("cosa.", op, ": ", __VA_ARGS__))
 
 namespace {
 
@@ -83,11 +83,9 @@ std::string dtype_name(at::ScalarType type) {
 
 // Python's spelling of a shape or strides tuple: (2, 3), (5,), ().
 std::string tuple_str(c10::IntArrayRef values) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
-  out << (values.size() == 1 ? ",)" : ")");
-  return out.str();
+  std::string out = "(";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + (values.size() == 1 ? ",)" : ")");
 }
 
 // Python's repr of a float (shortest round trip, "1.0" not "1"), as the CPU path prints it.
@@ -97,6 +95,25 @@ std::string float_repr(double value) {
   std::string repr(text, result.ptr);
   if (repr.find_first_of(".eEn") == std::string::npos) repr += ".0";  // "n": nan and inf
   return repr;
+}
+
+// Error messages are assembled without iostreams: formatting a number through an ostream inside
+// this module crashed on the GPU machine (torch 2.11 with GCC 13: the stream's numeric facet was
+// not usable from the extension), so numbers are converted with std::to_string / std::to_chars.
+void append(std::string& out, const char* text) { out += text; }
+void append(std::string& out, const std::string& text) { out += text; }
+void append(std::string& out, double value) { out += float_repr(value); }
+void append(std::string& out, const c10::Device& device) { out += device.str(); }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& out, T value) {
+  out += std::to_string(value);
+}
+
+template <typename... Args>
+std::string message(const Args&... parts) {
+  std::string out;
+  (append(out, parts), ...);
+  return out;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -269,8 +286,8 @@ class DeviceChecks {
     const int64_t* data = host.const_data_ptr<int64_t>();
     for (const auto& [num_values, describe] : checks_) {
       if (data[0]) {
-        TORCH_CHECK_VALUE(false, "cosa.", op_, ": ",
-                          describe(data[1], std::vector<int64_t>(data + 2, data + 2 + num_values)));
+        TORCH_CHECK_VALUE(false, message("cosa.", op_, ": ",
+                                         describe(data[1], std::vector<int64_t>(data + 2, data + 2 + num_values))));
       }
       data += 2 + num_values;
     }
@@ -300,13 +317,13 @@ void check_device_data(const char* op, const Sizes& s, const at::Tensor& page_ta
   const int64_t total_q = s.total_q;
   checks.add((cu_first != 0) | (cu_last != total_q), {cu_first, cu_last},
              [total_q](int64_t, const std::vector<int64_t>& v) {
-               return c10::str("cu_seqlens_q must start at 0 and end at total_q = ", total_q, ", got ", v[0], " .. ",
+               return message("cu_seqlens_q must start at 0 and end at total_q = ", total_q, ", got ", v[0], " .. ",
                                v[1]);
              });
 
   const at::Tensor cu_before = cu.slice(0, 0, batch), cu_after = cu.slice(0, 1);
   checks.add(lq < 0, {cu_before, cu_after}, [](int64_t b, const std::vector<int64_t>& v) {
-    return c10::str("cu_seqlens_q must be non-decreasing, got ", v[0], " then ", v[1], " at index ", b);
+    return message("cu_seqlens_q must be non-decreasing, got ", v[0], " then ", v[1], " at index ", b);
   });
 
   // Per sequence, the first condition it breaks (0 for none), in the order of the CPU path.
@@ -323,14 +340,14 @@ void check_device_data(const char* op, const Sizes& s, const at::Tensor& page_ta
              [=](int64_t b, const std::vector<int64_t>& v) {
                const int64_t lq_b = v[1], lk_b = v[2];
                switch (v[0]) {
-                 case 1: return c10::str("sequence ", b, " has ", lq_b, " queries, more than max_seqlen_q = ",
+                 case 1: return message("sequence ", b, " has ", lq_b, " queries, more than max_seqlen_q = ",
                                          max_seqlen_q);
-                 case 2: return c10::str("seqused_k[", b, "] = ", lk_b, " is shorter than the sequence's ", lq_b,
+                 case 2: return message("seqused_k[", b, "] = ", lk_b, " is shorter than the sequence's ", lq_b,
                                          " queries");
-                 case 3: return c10::str("seqused_k[", b, "] = ", lk_b, " exceeds max_seqlen_k = ", max_seqlen_k_value);
-                 case 4: return c10::str("the cached prefix of sequence ", b, " (seqused_k - query length = ",
+                 case 3: return message("seqused_k[", b, "] = ", lk_b, " exceeds max_seqlen_k = ", max_seqlen_k_value);
+                 case 4: return message("the cached prefix of sequence ", b, " (seqused_k - query length = ",
                                          lk_b - lq_b, ") must be a multiple of ", kBlock);
-                 default: return c10::str("seqused_k[", b, "] = ", lk_b, " exceeds page_table's capacity of ",
+                 default: return message("seqused_k[", b, "] = ", lk_b, " exceeds page_table's capacity of ",
                                           capacity, " tokens");
                }
              });
@@ -340,7 +357,7 @@ void check_device_data(const char* op, const Sizes& s, const at::Tensor& page_ta
   const at::Tensor used = at::arange(max_pages, lk.options()).unsqueeze(0) < pages_used.unsqueeze(1);
   checks.add(used & ((page_table < 0) | (page_table >= num_pages)), {page_table},
              [max_pages, num_pages](int64_t i, const std::vector<int64_t>& v) {
-               return c10::str("page_table[", i / max_pages, ", ", i % max_pages, "] = ", v[0],
+               return message("page_table[", i / max_pages, ", ", i % max_pages, "] = ", v[0],
                                " is outside the cache's ", num_pages, " pages");
              });
 
@@ -361,12 +378,12 @@ void check_device_data(const char* op, const Sizes& s, const at::Tensor& page_ta
     const at::Tensor diagonal_rows = diagonal.unsqueeze(0).expand_as(counts_long);
     checks.add((counts_long < 0) | (counts_long > diagonal_rows + 1), {counts_long, diagonal_rows},
                [num_q_blocks](int64_t i, const std::vector<int64_t>& v) {
-                 return c10::str("counts[", i / num_q_blocks, ", ", i % num_q_blocks, "] = ", v[0],
+                 return message("counts[", i / num_q_blocks, ", ", i % num_q_blocks, "] = ", v[0],
                                  " is outside [0, ", v[1] + 1, "]");
                });
     checks.add(counts_long > row_len, {counts_long},
                [num_q_blocks, row_len](int64_t i, const std::vector<int64_t>& v) {
-                 return c10::str("counts[", i / num_q_blocks, ", ", i % num_q_blocks, "] = ", v[0],
+                 return message("counts[", i / num_q_blocks, ", ", i % num_q_blocks, "] = ", v[0],
                                  " exceeds order's row length ", row_len);
                });
 
@@ -382,7 +399,7 @@ void check_device_data(const char* op, const Sizes& s, const at::Tensor& page_ta
       const at::Tensor first_bad = bad.to(at::kByte).argmax(2, /*keepdim=*/true);
       checks.add(bad.any(2), {first_bad, entries.gather(2, first_bad), diagonal_rows.slice(0, h0, h1)},
                  [h0, num_q_blocks](int64_t i, const std::vector<int64_t>& v) {
-                   return c10::str("order[", h0 + i / num_q_blocks, ", ", i % num_q_blocks, ", ", v[0],
+                   return message("order[", h0 + i / num_q_blocks, ", ", i % num_q_blocks, ", ", v[0],
                                    "] = ", v[1], " is not a causal block of its query block (0..", v[2], ")");
                  });
     }
@@ -430,7 +447,7 @@ cosa::PagedLayout make_layout(const Sizes& s, const at::Tensor& q, const at::Ten
 }
 
 void check_launch(const char* op, const char* kernel, cudaError_t error) {
-  TORCH_CHECK(error == cudaSuccess, "cosa.", op, ": the ", kernel, " launch failed: ", cudaGetErrorString(error));
+  TORCH_CHECK(error == cudaSuccess, message("cosa.", op, ": the ", kernel, " launch failed: ", cudaGetErrorString(error)));
 }
 
 std::tuple<at::Tensor, at::Tensor> launch_kap(const char* op, const cosa::PagedLayout& layout, const at::Tensor& q,

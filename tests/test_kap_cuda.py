@@ -196,8 +196,8 @@ def test_scores_order_consistent(ops):
 
 
 def test_padding_rows(ops):
-    # Three short sequences: the row bound (total_q + 127 B) // 128 exceeds the real block count.
-    p = problem([5, 130, 40], [5, 130 + 128, 40], hq=4, hkv=2, page_size=16, structure="sinks", seed=2)
+    # 200, 100, 40 queries: 4 real query blocks, bound min(3 * 2, (340 + 3 * 127) // 128) = 5 rows.
+    p = problem([200, 100, 40], [200, 100 + 128, 40], hq=4, hkv=2, page_size=16, structure="sinks", seed=2)
     order, counts = kap(ops, p, 8)
     assert order.shape[1] > 4
     assert_padding(p, order, counts)
