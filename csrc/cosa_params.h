@@ -82,9 +82,33 @@ struct OskParams {
   int32_t* skipped = nullptr;  // [num_heads_q, num_q_blocks], contiguous
 };
 
+// The data-dependent argument checks of the binding (csrc/checks/input_checks.cu): the conditions of
+// spec section 1 on the lengths and the page table and, when `order` is set, those of spec section 3
+// on the block lists, evaluated on the device in one pass. Each slot of `report` receives the
+// smallest key of a failing element (UINT64_MAX when none), in the order in which the CPU path
+// (cosa/validation.py) reports failures, so the host reads back kNumInputChecks integers.
+enum InputCheck : int {
+  kCheckLengths = 0,     // key 0: cu_seqlens_q ends; 1 + b: decreasing at b; 1 + B + 5 b + c: condition c of b
+  kCheckPages = 1,       // key b * max_pages_per_seq + p: page id outside the cache
+  kCheckCountRange = 2,  // key h * num_q_blocks + g: counts outside [0, diagonal + 1]
+  kCheckCountRow = 3,    // key h * num_q_blocks + g: counts longer than order's rows
+  kCheckOrder = 4,       // key (h * num_q_blocks + g) * order_row_len + k: not a causal candidate
+  kNumInputChecks = 5,
+};
+
+struct InputCheckParams {
+  PagedLayout layout;
+  bool check_max_seqlen_k = true;   // OSK has no max_seqlen_k argument
+  const int32_t* order = nullptr;   // null: lengths and pages only
+  const int32_t* counts = nullptr;
+  int order_row_len = 0;
+  unsigned long long* report = nullptr;  // [kNumInputChecks], written by run_input_checks
+};
+
 // Launchers: enqueue on `stream`, never synchronise, return the launch error (if any).
 size_t kap_workspace_bytes(const KapParams& params);
 cudaError_t run_kap(const KapParams& params, cudaStream_t stream);
 cudaError_t run_osk(const OskParams& params, cudaStream_t stream);
+cudaError_t run_input_checks(const InputCheckParams& params, cudaStream_t stream);
 
 }  // namespace cosa

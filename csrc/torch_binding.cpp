@@ -20,7 +20,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
-#include <functional>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -258,155 +258,6 @@ void check_order_shapes(const char* op, const at::Tensor& q, const at::Tensor& o
   COSA_CHECK_VALUE(counts.is_contiguous(), op, "counts must be contiguous");
 }
 
-// Checks of device data, evaluated with torch ops on the device and read back with one host
-// synchronisation. Each check is a boolean tensor that is true where the data is wrong; the flat
-// index of its first true element and some values there (tensors of the mask's numel) come back
-// to the host to write the message.
-class DeviceChecks {
- public:
-  using Describe = std::function<std::string(int64_t index, const std::vector<int64_t>& values)>;
-
-  explicit DeviceChecks(const char* op) : op_(op) {}
-
-  void add(const at::Tensor& bad, const std::vector<at::Tensor>& values, Describe describe) {
-    const at::Tensor flat = bad.reshape(-1);
-    if (flat.numel() == 0) return;
-    // argmax returns the first maximum, i.e. the first bad element (uint8: argmax takes no bool).
-    const at::Tensor index = flat.to(at::kByte).argmax().reshape(1);
-    std::vector<at::Tensor> report = {flat.any().to(at::kLong).reshape(1), index};
-    for (const at::Tensor& v : values) report.push_back(v.reshape(-1).index_select(0, index).to(at::kLong));
-    reports_.push_back(at::cat(report));
-    checks_.push_back({static_cast<int64_t>(values.size()), std::move(describe)});
-  }
-
-  // Throws ValueError for the first check (in the order added) that failed.
-  void run() const {
-    if (reports_.empty()) return;
-    const at::Tensor host = at::cat(reports_).cpu();  // the one host synchronisation
-    const int64_t* data = host.const_data_ptr<int64_t>();
-    for (const auto& [num_values, describe] : checks_) {
-      if (data[0]) {
-        TORCH_CHECK_VALUE(false, message("cosa.", op_, ": ",
-                                         describe(data[1], std::vector<int64_t>(data + 2, data + 2 + num_values))));
-      }
-      data += 2 + num_values;
-    }
-  }
-
- private:
-  const char* op_;
-  std::vector<at::Tensor> reports_;
-  std::vector<std::pair<int64_t, Describe>> checks_;
-};
-
-// The contract's conditions on the lengths and the page table (spec section 1) and, for the
-// standalone OSK op, on the block lists (order/counts): every listed block must be a causal
-// candidate of its query block, so that OSK never reads outside a sequence's pages. Skipped while
-// the current stream captures a CUDA graph (reading device data is not allowed then).
-void check_device_data(const char* op, const Sizes& s, const at::Tensor& page_table, const at::Tensor& cu_seqlens_q,
-                       const at::Tensor& seqused_k, int64_t max_seqlen_q, std::optional<int64_t> max_seqlen_k,
-                       const at::Tensor* order, const at::Tensor* counts) {
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
-  DeviceChecks checks(op);
-  const int64_t batch = s.batch;
-  const at::Tensor cu = cu_seqlens_q.to(at::kLong);
-  const at::Tensor lk = seqused_k.to(at::kLong);
-  const at::Tensor lq = cu.slice(0, 1) - cu.slice(0, 0, batch);  // query lengths
-
-  const at::Tensor cu_first = cu.slice(0, 0, 1), cu_last = cu.slice(0, batch);
-  const int64_t total_q = s.total_q;
-  checks.add((cu_first != 0) | (cu_last != total_q), {cu_first, cu_last},
-             [total_q](int64_t, const std::vector<int64_t>& v) {
-               return message("cu_seqlens_q must start at 0 and end at total_q = ", total_q, ", got ", v[0], " .. ",
-                               v[1]);
-             });
-
-  const at::Tensor cu_before = cu.slice(0, 0, batch), cu_after = cu.slice(0, 1);
-  checks.add(lq < 0, {cu_before, cu_after}, [](int64_t b, const std::vector<int64_t>& v) {
-    return message("cu_seqlens_q must be non-decreasing, got ", v[0], " then ", v[1], " at index ", b);
-  });
-
-  // Per sequence, the first condition it breaks (0 for none), in the order of the CPU path.
-  const int64_t capacity = s.max_pages * s.page_size;
-  std::vector<at::Tensor> broken = {lq > max_seqlen_q, lk < lq,
-                                    max_seqlen_k ? lk > *max_seqlen_k : at::zeros_like(lk, at::kBool),
-                                    at::remainder(lk - lq, kBlock) != 0, lk > capacity};
-  at::Tensor first_broken = at::zeros_like(lk);
-  for (int64_t c = static_cast<int64_t>(broken.size()); c >= 1; --c) {
-    first_broken = at::where(broken[c - 1], c, first_broken);
-  }
-  const int64_t max_seqlen_k_value = max_seqlen_k.value_or(0);
-  checks.add(first_broken != 0, {first_broken, lq, lk},
-             [=](int64_t b, const std::vector<int64_t>& v) {
-               const int64_t lq_b = v[1], lk_b = v[2];
-               switch (v[0]) {
-                 case 1: return message("sequence ", b, " has ", lq_b, " queries, more than max_seqlen_q = ",
-                                         max_seqlen_q);
-                 case 2: return message("seqused_k[", b, "] = ", lk_b, " is shorter than the sequence's ", lq_b,
-                                         " queries");
-                 case 3: return message("seqused_k[", b, "] = ", lk_b, " exceeds max_seqlen_k = ", max_seqlen_k_value);
-                 case 4: return message("the cached prefix of sequence ", b, " (seqused_k - query length = ",
-                                         lk_b - lq_b, ") must be a multiple of ", kBlock);
-                 default: return message("seqused_k[", b, "] = ", lk_b, " exceeds page_table's capacity of ",
-                                          capacity, " tokens");
-               }
-             });
-
-  const int64_t max_pages = s.max_pages, num_pages = s.num_pages;
-  const at::Tensor pages_used = at::floor_divide(lk + s.page_size - 1, s.page_size);
-  const at::Tensor used = at::arange(max_pages, lk.options()).unsqueeze(0) < pages_used.unsqueeze(1);
-  checks.add(used & ((page_table < 0) | (page_table >= num_pages)), {page_table},
-             [max_pages, num_pages](int64_t i, const std::vector<int64_t>& v) {
-               return message("page_table[", i / max_pages, ", ", i % max_pages, "] = ", v[0],
-                               " is outside the cache's ", num_pages, " pages");
-             });
-
-  if (order) {
-    // Diagonal key block of each row of the lists (-1 for padding rows): row g is query block
-    // i = g - first_row[b] of the sequence b whose rows end past g.
-    const int64_t num_q_blocks = counts->size(1), row_len = order->size(2);
-    const at::Tensor nq = at::floor_divide(lq.clamp_min(0) + kBlock - 1, kBlock);
-    const at::Tensor rows_end = nq.cumsum(0);
-    const at::Tensor g = at::arange(num_q_blocks, lk.options());
-    const at::Tensor seq = at::searchsorted(rows_end, g, /*out_int32=*/false, /*right=*/true);
-    const at::Tensor seq_in_range = seq.clamp_max(batch - 1);
-    const at::Tensor first_row = (rows_end - nq).index_select(0, seq_in_range);
-    const at::Tensor prefix_blocks = at::floor_divide(lk - lq, kBlock).index_select(0, seq_in_range);
-    const at::Tensor diagonal = at::where(seq < batch, prefix_blocks + g - first_row, -1);
-
-    const at::Tensor counts_long = counts->to(at::kLong);
-    const at::Tensor diagonal_rows = diagonal.unsqueeze(0).expand_as(counts_long);
-    checks.add((counts_long < 0) | (counts_long > diagonal_rows + 1), {counts_long, diagonal_rows},
-               [num_q_blocks](int64_t i, const std::vector<int64_t>& v) {
-                 return message("counts[", i / num_q_blocks, ", ", i % num_q_blocks, "] = ", v[0],
-                                 " is outside [0, ", v[1] + 1, "]");
-               });
-    checks.add(counts_long > row_len, {counts_long},
-               [num_q_blocks, row_len](int64_t i, const std::vector<int64_t>& v) {
-                 return message("counts[", i / num_q_blocks, ", ", i % num_q_blocks, "] = ", v[0],
-                                 " exceeds order's row length ", row_len);
-               });
-
-    // order can be 100+ MB: check it a few heads at a time, reducing each (head, row) on the device.
-    const int64_t row_elems = std::max<int64_t>(num_q_blocks * row_len, 1);
-    const int64_t heads_per_chunk = std::max<int64_t>(1, (int64_t{1} << 24) / row_elems);
-    const at::Tensor position = at::arange(row_len, lk.options()).view({1, 1, row_len});
-    for (int64_t h0 = 0; h0 < s.num_heads_q; h0 += heads_per_chunk) {
-      const int64_t h1 = std::min(s.num_heads_q, h0 + heads_per_chunk);
-      const at::Tensor entries = order->slice(0, h0, h1);
-      const at::Tensor listed = position < counts_long.slice(0, h0, h1).unsqueeze(2);
-      const at::Tensor bad = listed & ((entries < 0) | (entries > diagonal.view({1, num_q_blocks, 1})));
-      const at::Tensor first_bad = bad.to(at::kByte).argmax(2, /*keepdim=*/true);
-      checks.add(bad.any(2), {first_bad, entries.gather(2, first_bad), diagonal_rows.slice(0, h0, h1)},
-                 [h0, num_q_blocks](int64_t i, const std::vector<int64_t>& v) {
-                   return message("order[", h0 + i / num_q_blocks, ", ", i % num_q_blocks, ", ", v[0],
-                                   "] = ", v[1], " is not a causal block of its query block (0..", v[2], ")");
-                 });
-    }
-  }
-  checks.run();
-}
-
 cosa::PagedLayout make_layout(const Sizes& s, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor* v_cache, const at::Tensor& page_table,
                               const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k, int64_t max_seqlen_q,
@@ -444,6 +295,106 @@ cosa::PagedLayout make_layout(const Sizes& s, const at::Tensor& q, const at::Ten
   l.dtype = q.scalar_type() == at::kBFloat16 ? cosa::DType::kBFloat16 : cosa::DType::kFloat16;
   l.softmax_scale = static_cast<float>(softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   return l;
+}
+
+// The diagonal key block of packed query block g (-1 for a padding row), from host copies of the
+// lengths: only needed to word an error message.
+int64_t diagonal_block(const std::vector<int64_t>& cu, const std::vector<int64_t>& lk, int64_t g) {
+  int64_t first_row = 0;
+  for (size_t b = 0; b < lk.size(); ++b) {
+    const int64_t lq = cu[b + 1] - cu[b], nq = ceil_div(std::max<int64_t>(lq, 0), kBlock);
+    if (g < first_row + nq) return (lk[b] - lq) / kBlock + (g - first_row);
+    first_row += nq;
+  }
+  return -1;
+}
+
+[[noreturn]] void fail_value(const char* op, const std::string& text) {
+  TORCH_CHECK_VALUE(false, message("cosa.", op, ": ", text));
+  std::abort();  // unreachable: TORCH_CHECK_VALUE(false, ...) always throws
+}
+
+std::vector<int64_t> to_host(const at::Tensor& t) {
+  const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
+  return {host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + host.numel()};
+}
+
+// The contract's conditions on the lengths and the page table (spec section 1) and, for the
+// standalone OSK op, on the block lists: every listed block must be a causal candidate of its
+// query block, so that OSK never reads outside a sequence's pages. One kernel pass on the device
+// (csrc/checks/) and one read-back of kNumInputChecks integers; the values that word a message
+// are fetched only when a check failed. Skipped while the current stream captures a CUDA graph
+// (reading device data is not allowed then).
+void check_device_data(const char* op, const cosa::PagedLayout& layout, const at::Tensor& q,
+                       const at::Tensor& page_table, const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k,
+                       bool check_max_seqlen_k, const at::Tensor* order, const at::Tensor* counts) {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
+  at::Tensor report = at::empty({cosa::kNumInputChecks}, q.options().dtype(at::kLong));
+  cosa::InputCheckParams params;
+  params.layout = layout;
+  params.check_max_seqlen_k = check_max_seqlen_k;
+  params.report = reinterpret_cast<unsigned long long*>(report.mutable_data_ptr<int64_t>());
+  if (order) {
+    params.order = order->const_data_ptr<int32_t>();
+    params.counts = counts->const_data_ptr<int32_t>();
+    params.order_row_len = static_cast<int>(order->size(2));
+  }
+  const cudaError_t error = cosa::run_input_checks(params, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(error == cudaSuccess, message("cosa.", op, ": the input checks failed to launch: ",
+                                            cudaGetErrorString(error)));
+  const at::Tensor host = report.cpu();  // the one host synchronisation
+  const auto* keys = reinterpret_cast<const uint64_t*>(host.const_data_ptr<int64_t>());
+  constexpr uint64_t kPassed = ~uint64_t{0};
+  if (std::all_of(keys, keys + cosa::kNumInputChecks, [](uint64_t k) { return k == kPassed; })) return;
+
+  const std::vector<int64_t> cu = to_host(cu_seqlens_q), lk = to_host(seqused_k);
+  const int64_t batch = layout.batch;
+  const auto fail = [op](const std::string& text) { fail_value(op, text); };
+  if (const uint64_t key = keys[cosa::kCheckLengths]; key != kPassed) {
+    if (key == 0) {
+      fail(message("cu_seqlens_q must start at 0 and end at total_q = ", layout.total_q, ", got ", cu[0], " .. ",
+                   cu[batch]));
+    }
+    if (key <= static_cast<uint64_t>(batch)) {
+      const int64_t b = static_cast<int64_t>(key) - 1;
+      fail(message("cu_seqlens_q must be non-decreasing, got ", cu[b], " then ", cu[b + 1], " at index ", b));
+    }
+    const int64_t b = static_cast<int64_t>(key - 1 - batch) / 5, condition = static_cast<int64_t>(key - 1 - batch) % 5;
+    const int64_t lq = cu[b + 1] - cu[b];
+    switch (condition) {
+      case 0: fail(message("sequence ", b, " has ", lq, " queries, more than max_seqlen_q = ", layout.max_seqlen_q));
+      case 1: fail(message("seqused_k[", b, "] = ", lk[b], " is shorter than the sequence's ", lq, " queries"));
+      case 2: fail(message("seqused_k[", b, "] = ", lk[b], " exceeds max_seqlen_k = ", layout.max_seqlen_k));
+      case 3:
+        fail(message("the cached prefix of sequence ", b, " (seqused_k - query length = ", lk[b] - lq,
+                     ") must be a multiple of ", kBlock));
+      default:
+        fail(message("seqused_k[", b, "] = ", lk[b], " exceeds page_table's capacity of ",
+                     int64_t{layout.max_pages_per_seq} * layout.page_size, " tokens"));
+    }
+  }
+  if (const uint64_t key = keys[cosa::kCheckPages]; key != kPassed) {
+    const int64_t b = static_cast<int64_t>(key) / layout.max_pages_per_seq;
+    const int64_t page = static_cast<int64_t>(key) % layout.max_pages_per_seq;
+    fail(message("page_table[", b, ", ", page, "] = ", page_table[b][page].item<int64_t>(), " is outside the cache's ",
+                 layout.num_pages, " pages"));
+  }
+  const int64_t rows = layout.num_q_blocks, row_len = params.order_row_len;
+  if (const uint64_t key = keys[cosa::kCheckCountRange]; key != kPassed) {
+    const int64_t h = static_cast<int64_t>(key) / rows, g = static_cast<int64_t>(key) % rows;
+    fail(message("counts[", h, ", ", g, "] = ", (*counts)[h][g].item<int64_t>(), " is outside [0, ",
+                 diagonal_block(cu, lk, g) + 1, "]"));
+  }
+  if (const uint64_t key = keys[cosa::kCheckCountRow]; key != kPassed) {
+    const int64_t h = static_cast<int64_t>(key) / rows, g = static_cast<int64_t>(key) % rows;
+    fail(message("counts[", h, ", ", g, "] = ", (*counts)[h][g].item<int64_t>(), " exceeds order's row length ",
+                 row_len));
+  }
+  const uint64_t key = keys[cosa::kCheckOrder];
+  const int64_t row = static_cast<int64_t>(key) / row_len, k = static_cast<int64_t>(key) % row_len;
+  const int64_t h = row / rows, g = row % rows;
+  fail(message("order[", h, ", ", g, ", ", k, "] = ", (*order)[h][g][k].item<int64_t>(),
+               " is not a causal block of its query block (0..", diagonal_block(cu, lk, g), ")"));
 }
 
 void check_launch(const char* op, const char* kernel, cudaError_t error) {
@@ -502,10 +453,11 @@ std::tuple<at::Tensor, at::Tensor> kap_cuda(const at::Tensor& q, const at::Tenso
                                max_seqlen_k);
   check_kap_args(op, stride, top_p, softmax_scale);
   const c10::cuda::CUDAGuard device_guard(q.device());
-  check_device_data(op, s, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, nullptr, nullptr);
   const cosa::PagedLayout layout = make_layout(s, q, k_cache, nullptr, page_table, cu_seqlens_q, seqused_k,
                                                max_seqlen_q, max_seqlen_k, ceil_div(max_seqlen_k, kBlock),
                                                softmax_scale);
+  check_device_data(op, layout, q, page_table, cu_seqlens_q, seqused_k, /*check_max_seqlen_k=*/true, nullptr,
+                    nullptr);
   return launch_kap(op, layout, q, stride, top_p, at::cuda::getCurrentCUDAStream().stream());
 }
 
@@ -522,12 +474,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> osk_cuda(const at::Tensor& q, con
   check_delta(op, delta);
   check_order_shapes(op, q, order, counts, num_q_blocks_bound(s.total_q, s.batch, max_seqlen_q));
   const c10::cuda::CUDAGuard device_guard(q.device());
-  check_device_data(op, s, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, std::nullopt, &order, &counts);
-  // OSK takes no max_seqlen_k: the page table's capacity bounds every KV length (checked above),
+  // OSK takes no max_seqlen_k: the page table's capacity bounds every KV length (checked below),
   // and order's last dim is the row length of the lists.
   const int64_t kv_capacity = std::min(s.max_pages * s.page_size, kMaxInt);
   const cosa::PagedLayout layout = make_layout(s, q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k,
                                                max_seqlen_q, kv_capacity, order.size(2), softmax_scale);
+  check_device_data(op, layout, q, page_table, cu_seqlens_q, seqused_k, /*check_max_seqlen_k=*/false, &order,
+                    &counts);
   return launch_osk(op, layout, q, order, counts, delta, at::cuda::getCurrentCUDAStream().stream());
 }
 
@@ -541,10 +494,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_c
   check_kap_args(op, stride, top_p, softmax_scale);
   check_delta(op, delta);
   const c10::cuda::CUDAGuard device_guard(q.device());
-  check_device_data(op, s, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, nullptr, nullptr);
   const cosa::PagedLayout layout = make_layout(s, q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k,
                                                max_seqlen_q, max_seqlen_k, ceil_div(max_seqlen_k, kBlock),
                                                softmax_scale);
+  check_device_data(op, layout, q, page_table, cu_seqlens_q, seqused_k, /*check_max_seqlen_k=*/true, nullptr,
+                    nullptr);
   // KAP then OSK on one stream, the host never waiting in between; the lists that KAP just wrote
   // satisfy the contract by construction, so they are not checked again.
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();

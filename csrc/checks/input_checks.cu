@@ -1,0 +1,98 @@
+// Device-side argument checks (see InputCheckParams in cosa_params.h). The binding used to express
+// them as ~70 small tensor ops; as two kernels they cost one launch each and one small read-back,
+// which matters at short contexts where the attention itself takes a fraction of a millisecond.
+#include <cstdint>
+
+#include "cosa_params.h"
+
+namespace cosa {
+namespace {
+
+__device__ void record(unsigned long long* slot, unsigned long long key) { atomicMin(slot, key); }
+
+// One CTA per sequence: thread 0 checks the lengths, every thread a share of the page ids.
+__global__ void check_lengths_and_pages(InputCheckParams p) {
+  const PagedLayout& l = p.layout;
+  const int b = blockIdx.x;
+  const int64_t cu0 = l.cu_seqlens_q[b], cu1 = l.cu_seqlens_q[b + 1];
+  const int64_t lq = cu1 - cu0, lk = l.seqused_k[b];
+  if (threadIdx.x == 0) {
+    unsigned long long* slot = p.report + kCheckLengths;
+    if (b == 0 && (l.cu_seqlens_q[0] != 0 || l.cu_seqlens_q[l.batch] != l.total_q)) record(slot, 0);
+    if (lq < 0) {
+      record(slot, 1 + b);
+    } else {
+      // The CPU path's order of conditions for one sequence.
+      const bool broken[5] = {lq > l.max_seqlen_q, lk < lq, p.check_max_seqlen_k && lk > l.max_seqlen_k,
+                              (lk - lq) % kBlockSize != 0,
+                              lk > static_cast<int64_t>(l.max_pages_per_seq) * l.page_size};
+      for (int c = 0; c < 5; ++c) {
+        if (broken[c]) {
+          record(slot, 1ull + l.batch + 5ull * b + c);
+          break;
+        }
+      }
+    }
+  }
+  const int64_t pages_used = lk > 0 ? (lk + l.page_size - 1) / l.page_size : 0;
+  const int64_t pages = pages_used < l.max_pages_per_seq ? pages_used : l.max_pages_per_seq;
+  for (int64_t page = threadIdx.x; page < pages; page += blockDim.x) {
+    const int32_t id = l.page_table[b * l.page_table_stride + page];
+    if (id < 0 || id >= l.num_pages) {
+      record(p.report + kCheckPages, static_cast<unsigned long long>(b) * l.max_pages_per_seq + page);
+    }
+  }
+}
+
+// The diagonal key block of packed query block g, or -1 for a padding row.
+__device__ int64_t diagonal_block(const PagedLayout& l, int64_t g) {
+  int64_t first_row = 0;
+  for (int b = 0; b < l.batch; ++b) {
+    const int64_t lq = l.cu_seqlens_q[b + 1] - l.cu_seqlens_q[b];
+    const int64_t nq = lq > 0 ? (lq + kBlockSize - 1) / kBlockSize : 0;
+    if (g < first_row + nq) return (l.seqused_k[b] - lq) / kBlockSize + (g - first_row);
+    first_row += nq;
+  }
+  return -1;
+}
+
+// One warp per list (row h * num_q_blocks + g), its lanes reading the entries side by side.
+__global__ void check_lists(InputCheckParams p) {
+  const PagedLayout& l = p.layout;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (row >= static_cast<int64_t>(l.num_heads_q) * l.num_q_blocks) return;
+  const int64_t diagonal = diagonal_block(l, row % l.num_q_blocks);
+  const int64_t count = p.counts[row];
+  if (lane == 0) {
+    if (count < 0 || count > diagonal + 1) record(p.report + kCheckCountRange, row);
+    if (count > p.order_row_len) record(p.report + kCheckCountRow, row);
+  }
+  const int64_t listed = count < p.order_row_len ? count : p.order_row_len;
+  for (int64_t k = lane; k < listed; k += 32) {
+    const int32_t j = p.order[row * p.order_row_len + k];
+    if (j < 0 || j > diagonal) {
+      record(p.report + kCheckOrder, static_cast<unsigned long long>(row) * p.order_row_len + k);
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t run_input_checks(const InputCheckParams& params, cudaStream_t stream) {
+  cudaError_t error = cudaMemsetAsync(params.report, 0xff, kNumInputChecks * sizeof(unsigned long long), stream);
+  if (error != cudaSuccess) return error;
+  check_lengths_and_pages<<<params.layout.batch, 128, 0, stream>>>(params);
+  if (params.order != nullptr) {
+    const int64_t rows = static_cast<int64_t>(params.layout.num_heads_q) * params.layout.num_q_blocks;
+    constexpr int kWarpsPerCta = 8;
+    if (rows > 0) {
+      const int64_t ctas = (rows + kWarpsPerCta - 1) / kWarpsPerCta;
+      check_lists<<<static_cast<unsigned>(ctas), kWarpsPerCta * 32, 0, stream>>>(params);
+    }
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace cosa
