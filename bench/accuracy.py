@@ -34,7 +34,6 @@ own threshold; ``--match 0.2`` fixes one budget for all.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import re
@@ -46,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import REPO_ROOT, format_table, progress, results_path, run_metadata, write_json  # noqa: E402
+from common import argument_parser, save_figure, REPO_ROOT, format_table, progress, results_path, run_metadata, write_json  # noqa: E402
 
 from cosa import proxies  # noqa: E402
 
@@ -453,15 +452,11 @@ def plot(summary: list[dict], path: Path) -> bool:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--model", required=True, help="a model directory or a .gguf file")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--samples", type=int, default=10, help="samples per task and length")

@@ -6,6 +6,7 @@ extension is not built.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -104,15 +105,7 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 1
     try:
         from triton.testing import do_bench
     except ImportError:
-        fn()
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        once = max(start.elapsed_time(end), 1e-3)
+        once = max(_cuda_event_median_ms(fn, warmup=1, reps=1), 1e-3)
         return _cuda_event_median_ms(fn, warmup=max(1, int(warmup_ms / once)),
                                      reps=max(3, int(rep_ms / once)))
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
@@ -172,3 +165,19 @@ def format_table(rows: Iterable[dict], columns: Sequence[str]) -> str:
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
     return "\n".join(lines)
+
+
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose description is the first paragraph of the script's docstring."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def save_figure(fig, path) -> bool:
+    """Write a matplotlib figure as a PNG and release it; returns True for the callers' "plotted"."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -28,7 +28,6 @@ Every prompt length must be a multiple of 128.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (REPO_ROOT, format_table, progress, require_cuda, results_path, run_metadata,  # noqa: E402
+from common import (argument_parser, save_figure, REPO_ROOT, format_table, progress, require_cuda, results_path, run_metadata,  # noqa: E402
                     write_json)
 from kernel import random_lists  # noqa: E402
 
@@ -197,15 +196,11 @@ def plot(rows, path: Path) -> bool:
     ax.set_title("TTFT, Llama-3.1-8B-shaped model, random weights, bf16")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--n", type=int, nargs="+", default=[8192, 32768, 65536, 131072],
                    help="prompt lengths, multiples of 128")
     p.add_argument("--config", default="llama-3.1-8b", choices=sorted(CONFIGS))

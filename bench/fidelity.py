@@ -28,7 +28,6 @@ Sections (rows of the JSON and the table):
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (REPO_ROOT, format_table, progress, relative_error, results_path,  # noqa: E402
+from common import (argument_parser, save_figure, REPO_ROOT, format_table, progress, relative_error, results_path,  # noqa: E402
                     run_metadata, write_json)
 
 import cosa  # noqa: E402
@@ -229,15 +228,11 @@ def plot(rows, path: Path) -> bool:
     ax2.set_yscale("log")
     ax2.grid(alpha=0.3)
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--n", type=int, nargs="*", default=None,
                    help="lengths of the synthetic problems (default 8192 32768 on a GPU, 2048 on the CPU; none: skip)")
     p.add_argument("--heads", type=int, nargs=2, default=None, metavar=("HQ", "HKV"),

@@ -21,7 +21,6 @@ checked in the same run against a float32 reference restricted to the same block
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import sys
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO_ROOT, Rotation, format_table, progress, relative_error,  # noqa: E402
+from common import (argument_parser, save_figure, REPO_ROOT, Rotation, format_table, progress, relative_error,  # noqa: E402
                     require_cuda, results_path, run_metadata, time_ms, write_json)
 
 BLOCK = 128
@@ -593,15 +592,11 @@ def plot(rows, path: Path) -> bool:
     ax.set_title("one attention layer, B=1, Hq=32, Hkv=8, d=128, bf16, causal")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--n", type=int, nargs="+", default=None,
                    help=f"context lengths, multiples of 128 (default {' '.join(map(str, DEFAULT_N))})")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0],

@@ -16,6 +16,8 @@ import torch
 from cosa import reference as R
 from cosa.testing import random_problem
 
+import helpers
+
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-4  # relative slack on score comparisons: kernel and reference sum in different orders
@@ -40,13 +42,8 @@ def kap(ops, p, stride, top_p=0.95, softmax_scale=None):
 
 def query_blocks(p):
     """(g, diagonal block) for every real query block of the packed numbering."""
-    cu, lk = p["cu_seqlens_q"].tolist(), p["seqused_k"].tolist()
-    g = 0
-    for b in range(len(lk)):
-        lq = cu[b + 1] - cu[b]
-        for i in range(R.cdiv(lq, R.BLOCK)):
-            yield g, (lk[b] - lq) // R.BLOCK + i
-            g += 1
+    for g, prefix, i in helpers.query_blocks(p):
+        yield g, prefix // R.BLOCK + i
 
 
 def valid_list(lst, scores, hrm, diagonal, top_p, tol=TOL):
