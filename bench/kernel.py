@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (argument_parser, save_figure, REPO_ROOT, Rotation, format_table, progress, relative_error,  # noqa: E402
+from common import (REPO_ROOT, Rotation, argument_parser, format_table, progress, relative_error, save_figure,  # noqa: E402
                     require_cuda, results_path, run_metadata, time_ms, write_json)
 
 BLOCK = 128
@@ -570,28 +570,45 @@ class Bench:
         self.save()
 
 
+# Line style per row kind, so that 15+ series stay tellable apart; skip-cost rows are a measuring
+# device, not an implementation, and stay out of the picture.
+_PLOT_STYLE = {"dense": "-", "flex": "--", "osk": "-", "kap": ":", "cosa": "-"}
+
+
 def plot(rows, path: Path) -> bool:
-    """Time vs N per (kind, impl), log-log; False when matplotlib is missing."""
+    """Left: time vs N per (kind, impl), log-log. Right: speedup over cuDNN at the same N.
+    False when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    series: dict[str, list[tuple[int, float]]] = {}
+    series: dict[str, list[tuple[int, float, float | None]]] = {}
     for r in rows:
-        series.setdefault(f"{r['kind']}/{r['impl']}", []).append((r["n"], r["ms"]))
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for label, points in sorted(series.items()):
+        if not r["impl"].startswith("skipcost"):
+            series.setdefault(f"{r['kind']}/{r['impl']}", []).append((r["n"], r["ms"], r.get("x_cudnn")))
+    colors = plt.get_cmap("tab20").colors
+    fig, (ax_time, ax_speed) = plt.subplots(1, 2, figsize=(14, 6))
+    for i, (label, points) in enumerate(sorted(series.items())):
         points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context length N (tokens)")
-    ax.set_ylabel("median time (ms)")
-    ax.set_title("one attention layer, B=1, Hq=32, Hkv=8, d=128, bf16, causal")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+        style = dict(marker="o", markersize=4, color=colors[i % len(colors)],
+                     linestyle=_PLOT_STYLE.get(label.split("/")[0], "-"), label=label)
+        ax_time.plot([p[0] for p in points], [p[1] for p in points], **style)
+        speed = [(p[0], p[2]) for p in points if p[2] is not None]
+        if speed and not label.startswith("kap/"):
+            ax_speed.plot([p[0] for p in speed], [p[1] for p in speed], **style)
+    for ax in (ax_time, ax_speed):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length N (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("median time (ms)")
+    ax_time.set_title("one attention layer, B=1, Hq=32, Hkv=8, d=128, bf16, causal")
+    ax_time.legend(fontsize=7, ncol=2)
+    ax_speed.axhline(1.0, color="black", linewidth=0.8)
+    ax_speed.set_ylabel("cuDNN time / time (above 1: faster than cuDNN)")
+    ax_speed.set_title("speedup over cuDNN dense attention")
     return save_figure(fig, path)
 
 
