@@ -224,7 +224,14 @@ void check_scale(const char* op, std::optional<double> softmax_scale) {
                    "softmax_scale must be a finite positive number, got ", float_repr(softmax_scale.value_or(0.0)));
 }
 
-void check_kap_args(const char* op, int64_t stride, double top_p, std::optional<double> softmax_scale) {
+// KAP sorts each list in shared memory (csrc/kap/kap_select_kernel.cuh): 16384 key blocks at most.
+constexpr int64_t kKapMaxSeqlenK = 16384 * kBlock;
+
+void check_kap_args(const char* op, int64_t stride, double top_p, std::optional<double> softmax_scale,
+                    int64_t max_seqlen_k) {
+  COSA_CHECK_VALUE(max_seqlen_k <= kKapMaxSeqlenK, op, "max_seqlen_k = ", max_seqlen_k,
+                   " exceeds the CUDA KAP limit of ", kKapMaxSeqlenK,
+                   " tokens (16384 key blocks, each list sorted in shared memory)");
   COSA_CHECK_VALUE(stride == 4 || stride == 8 || stride == 16, op, "stride must be 4, 8 or 16 on CUDA, got ",
                    stride, " (the reference, cosa.reference.kap, accepts any divisor of ", kBlock, ")");
   COSA_CHECK_VALUE(std::isfinite(top_p) && top_p > 0.0 && top_p <= 1.0, op, "top_p must be in (0, 1], got ",
@@ -451,7 +458,7 @@ std::tuple<at::Tensor, at::Tensor> kap_cuda(const at::Tensor& q, const at::Tenso
   const char* op = "kap";
   const Sizes s = check_layout(op, q, k_cache, nullptr, page_table, cu_seqlens_q, seqused_k, max_seqlen_q,
                                max_seqlen_k);
-  check_kap_args(op, stride, top_p, softmax_scale);
+  check_kap_args(op, stride, top_p, softmax_scale, max_seqlen_k);
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cosa::PagedLayout layout = make_layout(s, q, k_cache, nullptr, page_table, cu_seqlens_q, seqused_k,
                                                max_seqlen_q, max_seqlen_k, ceil_div(max_seqlen_k, kBlock),
@@ -491,7 +498,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_c
   const char* op = "prefill";
   const Sizes s = check_layout(op, q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q,
                                max_seqlen_k);
-  check_kap_args(op, stride, top_p, softmax_scale);
+  check_kap_args(op, stride, top_p, softmax_scale, max_seqlen_k);
   check_delta(op, delta);
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cosa::PagedLayout layout = make_layout(s, q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k,

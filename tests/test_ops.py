@@ -167,6 +167,14 @@ def test_bad_tuning_argument_is_a_clear_error(ops, device, case):
         ops.prefill(*prefill_args(p), args["stride"], args["top_p"], args["softmax_scale"], args["delta"])
 
 
+@pytest.mark.gpu
+def test_context_beyond_the_cuda_kap_limit_is_a_clear_error(ops):
+    p = small_problem(device="cuda")
+    p["max_seqlen_k"] = 16384 * 128 + 1
+    with pytest.raises(ValueError, match="cosa.prefill: max_seqlen_k = 2097153 exceeds the CUDA KAP limit"):
+        ops.prefill(*prefill_args(p))
+
+
 @pytest.mark.parametrize("device", _devices())
 def test_bad_lists_are_a_clear_error(ops, device):
     p = small_problem(device=device)
