@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -222,10 +223,25 @@ def _sparse_prefix(module, query, key, attention_mask, dropout, settings: Settin
     prefix = seqlen_kv - seqlen_q
     if prefix < 0 or prefix % BLOCK:
         return None, "prefix"
-    # Older versions size the mask past the keys (one spare column); SDPA reads its first Skv columns.
-    if not _is_bottom_right_causal(attention_mask[..., :seqlen_kv], seqlen_q, seqlen_kv):
+    if not _mask_is_bottom_right_causal(attention_mask, seqlen_q, seqlen_kv):
         return None, "mask"
     return prefix, None
+
+
+# Every layer of one forward gets the same mask tensor: its verdict is kept for that tensor (alive,
+# not modified in place since) rather than recomputed by a scan of Sq x Skv elements per layer.
+_mask_verdict: tuple = (None, -1, 0, 0, False)  # (weakref to the mask, its _version, Sq, Skv, verdict)
+
+
+def _mask_is_bottom_right_causal(mask: torch.Tensor, seqlen_q: int, seqlen_kv: int) -> bool:
+    global _mask_verdict
+    ref, version, cached_q, cached_kv, verdict = _mask_verdict
+    if ref is not None and ref() is mask and version == mask._version and (cached_q, cached_kv) == (seqlen_q, seqlen_kv):
+        return verdict
+    # Older versions size the mask past the keys (one spare column); SDPA reads its first Skv columns.
+    verdict = _is_bottom_right_causal(mask[..., :seqlen_kv], seqlen_q, seqlen_kv)
+    _mask_verdict = (weakref.ref(mask), mask._version, seqlen_q, seqlen_kv, verdict)
+    return verdict
 
 
 def _is_bottom_right_causal(mask: torch.Tensor, seqlen_q: int, seqlen_kv: int) -> bool:
