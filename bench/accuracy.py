@@ -45,7 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import argument_parser, save_figure, REPO_ROOT, format_table, progress, results_path, run_metadata, write_json  # noqa: E402
+from common import (add_run_arguments, argument_parser, format_table, progress, resolve_device,  # noqa: E402
+                    save_figure, start_run, write_json)
 
 from cosa import proxies  # noqa: E402
 
@@ -478,14 +479,10 @@ def parse_args(argv=None):
     p.add_argument("--flex-tau", type=float, default=0.1)
     p.add_argument("--meanpool-top-p", type=float, default=0.95)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
-    p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    add_run_arguments(p)
     args = p.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolve_device(args)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for flag, given, known in (("--tasks", args.tasks, TASKS), ("--methods", args.methods, METHODS)):
@@ -507,9 +504,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    meta = run_metadata()
-    json_path = results_path(args.out, "accuracy", meta)
-    progress(f"{meta['device']}, torch {meta['torch']}, commit {meta['commit']}; results -> {json_path}")
+    meta, json_path = start_run(args.out, "accuracy")
     progress(f"loading {args.model}")
     model, tokenizer, name = load_model(args.model, args.device, getattr(torch, args.dtype))
     progress(f"{name}: {model.config.num_hidden_layers} layers, {model.config.num_attention_heads} query heads")

@@ -181,3 +181,25 @@ def save_figure(fig, path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device, --seed, --plot and --out, which every model-level bench takes."""
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
+    parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+
+
+def resolve_device(args) -> None:
+    """--device auto: the GPU when torch sees one."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def start_run(out_dir: str | os.PathLike, prefix: str) -> tuple[dict, Path]:
+    """The run's metadata and the path of its results file, announced on the progress stream."""
+    meta = run_metadata()
+    json_path = results_path(out_dir, prefix, meta)
+    progress(f"{meta['device']}, torch {meta['torch']}, commit {meta['commit']}; results -> {json_path}")
+    return meta, json_path

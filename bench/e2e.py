@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (argument_parser, save_figure, REPO_ROOT, format_table, progress, require_cuda, results_path, run_metadata,  # noqa: E402
-                    write_json)
+from common import (add_run_arguments, argument_parser, format_table, progress, require_cuda,  # noqa: E402
+                    resolve_device, save_figure, start_run, write_json)
 from kernel import random_lists  # noqa: E402
 
 BLOCK = 128
@@ -213,13 +213,9 @@ def parse_args(argv=None):
     p.add_argument("--delta", type=float, default=2000.0)
     p.add_argument("--stride", type=int, default=8)
     p.add_argument("--reps", type=int, default=3, help="timed runs per row (after one warm-up run)")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
-    p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    add_run_arguments(p)
     args = p.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolve_device(args)
     if any(n <= 0 or n % BLOCK for n in args.n):
         p.error("--n: every prompt length must be a positive multiple of 128")
     if any(not 0 < b <= 1 for b in args.budgets):
@@ -240,9 +236,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu" and args.config != "tiny":
         require_cuda(f"bench/e2e.py with the {args.config} configuration (use --config tiny on the CPU)")
-    meta = run_metadata()
-    json_path = results_path(args.out, "e2e", meta)
-    progress(f"{meta['device']}, torch {meta['torch']}, commit {meta['commit']}; results -> {json_path}")
+    meta, json_path = start_run(args.out, "e2e")
     model = build_model(args.config, args.layers, args.device)
     config = {"model": args.config, "layers": model.config.num_hidden_layers, "dtype": "bfloat16",
               "top_p": args.top_p, "delta": args.delta, "stride": args.stride, "reps": args.reps}

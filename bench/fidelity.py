@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (argument_parser, save_figure, REPO_ROOT, format_table, progress, relative_error, results_path,  # noqa: E402
-                    run_metadata, write_json)
+from common import (add_run_arguments, argument_parser, format_table, progress, relative_error,  # noqa: E402
+                    resolve_device, save_figure, start_run, write_json)
 
 import cosa  # noqa: E402
 from cosa import proxies, reference  # noqa: E402
@@ -256,13 +256,9 @@ def parse_args(argv=None):
                    help="comma-separated layers to capture (default four spread over the depth)")
     p.add_argument("--text-dir", default=None,
                    help="folder of .txt files for the model's text (default: synthetic filler)")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
-    p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    add_run_arguments(p)
     args = p.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolve_device(args)
     gpu = args.device == "cuda"
     if args.n is None:
         args.n = [8192, 32768] if gpu else [2048]
@@ -281,9 +277,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    meta = run_metadata()
-    json_path = results_path(args.out, "fidelity", meta)
-    progress(f"{meta['device']}, torch {meta['torch']}, commit {meta['commit']}; results -> {json_path}")
+    meta, json_path = start_run(args.out, "fidelity")
     config = {k: getattr(args, k) for k in ("heads", "head_dim", "budgets", "deltas", "stride", "top_p", "oracle_p",
                                             "xattn_threshold", "flex_gamma", "flex_tau", "meanpool_top_p", "seed")}
     rows: list[dict] = []
