@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time to first token of a Llama-3.1-8B-shaped model: dense SDPA against CoSA prefill.
+"""Time to first token of a Llama-3.1-8B-shaped model, or of a real model: dense SDPA against CoSA
+prefill.
 
 The model is built from Llama-3.1-8B's configuration (32 layers, hidden 4096, 32 query heads, 8 KV
 heads, head dim 128, intermediate 14336, vocabulary 128256, RoPE theta 500000 with Llama 3 scaling)
@@ -7,6 +8,10 @@ with random weights in bf16 (time does not depend on trained weights); ``--layer
 TTFT is one forward pass over the prompt through transformers (``use_cache=True``, so the KV cache is
 written as in serving; the LM head over the last token only), median of ``--reps`` timed runs after one
 warm-up run.
+
+``--model DIR|FILE.gguf`` times a real model instead (any causal LM transformers loads; prompts are
+real text: the ``*.txt`` files of ``--text-dir``, or bench/accuracy.py's synthetic filler), so that
+the ``cosa`` row runs at the budgets that the model's own attention asks for.
 
 Rows (``impl``):
   dense-cudnn, dense-flash  SDPA with one backend forced (cuDNN gets repeated KV heads, flash native
@@ -23,6 +28,7 @@ Every prompt length must be a multiple of 128.
 
     python bench/e2e.py [--n 8192 32768 65536 131072] [--layers 32] [--budgets 0.1 0.25 0.5]
                         [--impls dense-cudnn,dense-flash,cosa,budgets] [--reps 3] [--plot] [--out bench/results]
+    python bench/e2e.py --model DIR|FILE.gguf [--text-dir DIR] [--n 8192 16384 32768] [--impls dense-cudnn,dense-flash,cosa]
     python bench/e2e.py --config tiny --device cpu --n 512   # a CPU smoke run (the reference path)
 """
 
@@ -178,7 +184,7 @@ def realised_budget(model, input_ids, args) -> tuple[float | None, float | None]
     return summary.get("stage1_budget"), summary.get("realised_budget")
 
 
-def plot(rows, path: Path) -> bool:
+def plot(rows, path: Path, title: str) -> bool:
     try:
         import matplotlib
     except ImportError:
@@ -193,7 +199,7 @@ def plot(rows, path: Path) -> bool:
     ax.set_yscale("log")
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title("TTFT, Llama-3.1-8B-shaped model, random weights, bf16")
+    ax.set_title(f"TTFT, {title}, bf16")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
@@ -205,6 +211,8 @@ def parse_args(argv=None):
                    help="prompt lengths, multiples of 128")
     p.add_argument("--config", default="llama-3.1-8b", choices=sorted(CONFIGS))
     p.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
+    p.add_argument("--model", default=None, help="time this model directory or .gguf file instead of --config")
+    p.add_argument("--text-dir", default=None, help="with --model: .txt files for the prompts (default: filler)")
     p.add_argument("--budgets", type=float, nargs="*", default=[0.1, 0.25, 0.5],
                    help="fixed stage-1 budgets of the cosa-<B>%% rows")
     p.add_argument("--impls", default="dense-cudnn,dense-flash,cosa,budgets",
@@ -216,6 +224,8 @@ def parse_args(argv=None):
     add_run_arguments(p)
     args = p.parse_args(argv)
     resolve_device(args)
+    if args.model and args.layers:
+        p.error("--layers cuts the --config model; it does not apply to --model")
     if any(n <= 0 or n % BLOCK for n in args.n):
         p.error("--n: every prompt length must be a positive multiple of 128")
     if any(not 0 < b <= 1 for b in args.budgets):
@@ -234,17 +244,29 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.device == "cpu" and args.config != "tiny":
+    if args.device == "cpu" and args.config != "tiny" and not args.model:
         require_cuda(f"bench/e2e.py with the {args.config} configuration (use --config tiny on the CPU)")
     meta, json_path = start_run(args.out, "e2e")
-    model = build_model(args.config, args.layers, args.device)
-    config = {"model": args.config, "layers": model.config.num_hidden_layers, "dtype": "bfloat16",
-              "top_p": args.top_p, "delta": args.delta, "stride": args.stride, "reps": args.reps}
-    progress(f"model {args.config}, {config['layers']} layers, random bf16 weights on {args.device}")
+    if args.model:
+        from accuracy import haystack_token_ids, load_model
+
+        model, tokenizer, name = load_model(args.model, args.device, torch.bfloat16)
+        title = f"{name} (trained weights, real text)"
+    else:
+        model, tokenizer, name = build_model(args.config, args.layers, args.device), None, args.config
+        title = f"{name}-shaped model, random weights"
+    config = {"model": name, "weights": "trained" if args.model else "random",
+              "layers": model.config.num_hidden_layers, "dtype": "bfloat16", "top_p": args.top_p,
+              "delta": args.delta, "stride": args.stride, "reps": args.reps, "text_dir": args.text_dir}
+    progress(f"model {title}, {config['layers']} layers, on {args.device}")
     rows, failures = [], []
     gen = torch.Generator().manual_seed(args.seed)
     for n in args.n:
-        input_ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(args.device)
+        if tokenizer is not None:
+            input_ids = torch.tensor([haystack_token_ids(tokenizer, args.text_dir, n, seed=args.seed)])
+        else:
+            input_ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen)
+        input_ids = input_ids.to(args.device)
         for impl in args.impls:
             try:
                 ctx, budget, note = attention_context(model, impl, args, n)
@@ -270,7 +292,7 @@ def main(argv=None) -> int:
         write_json(json_path, {**meta, "config": config, "rows": rows, "failures": failures})
     if args.plot and rows:
         png = json_path.with_suffix(".png")
-        progress(f"plot -> {png}" if plot(rows, png) else "no plot: matplotlib is not installed")
+        progress(f"plot -> {png}" if plot(rows, png, title) else "no plot: matplotlib is not installed")
     print(format_table(rows, TABLE_COLUMNS))
     print(f"\nresults: {json_path}")
     if failures:

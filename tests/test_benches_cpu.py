@@ -95,6 +95,21 @@ def test_e2e_cpu(tmp_path):
     assert rows[2]["budget"] == pytest.approx(0.7)  # 4 query blocks keep 1, 2, 2, 2 of 1, 2, 3, 4 blocks
 
 
+def test_e2e_real_model_cpu(tmp_path, tiny_model_dir):
+    rc = e2e.main(["--model", str(tiny_model_dir), "--device", "cpu", "--n", "512", "--impls", "dense-math,cosa",
+                   "--reps", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    run = only_json(tmp_path, "e2e")
+    assert run["config"]["model"] == tiny_model_dir.name and run["config"]["weights"] == "trained"
+    assert [r["impl"] for r in run["rows"]] == ["dense-math", "cosa"]
+    assert 0 < run["rows"][1]["realised"] <= run["rows"][1]["budget"] <= 1
+
+
+def test_e2e_rejects_layers_with_a_model(tiny_model_dir):
+    with pytest.raises(SystemExit):
+        e2e.main(["--model", str(tiny_model_dir), "--layers", "2", "--device", "cpu", "--n", "512"])
+
+
 def test_accuracy_cpu(tmp_path, tiny_model_dir):
     rc = accuracy.main(["--model", str(tiny_model_dir), "--lengths", "512", "--samples", "1", "--ppl-samples", "1",
                         "--min-prefill-tokens", "256", "--max-new-tokens", "3", "--device", "cpu", "--plot",
