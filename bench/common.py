@@ -37,8 +37,11 @@ def require_cuda(what: str) -> None:
 
 
 def git_commit() -> str:
-    """The checkout's commit (with '-dirty' when tracked files changed), else $COSA_COMMIT,
-    else 'unknown' (the GPU machine receives the working tree without its .git)."""
+    """$COSA_COMMIT when set (the GPU machine receives a copy of the working tree whose .git, if
+    any, is not this checkout's), else the checkout's commit (with '-dirty' when tracked files
+    changed), else 'unknown'."""
+    if os.environ.get("COSA_COMMIT"):
+        return os.environ["COSA_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, check=True).stdout.strip()
@@ -47,7 +50,7 @@ def git_commit() -> str:
                                check=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("COSA_COMMIT", "unknown")
+        return "unknown"
 
 
 def run_metadata() -> dict:

@@ -193,41 +193,58 @@ def model_rows(args) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _mean_by(rows, key, value):
+    """Sorted ``(key, mean of value)`` pairs over ``rows``."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r[key], []).append(r[value])
+    return sorted((k, sum(v) / len(v)) for k, v in groups.items())
+
+
 def plot(rows, path: Path) -> bool:
-    """IoU at matched budgets per method (first source and n), and skip ratio against error per
-    order (the Figure 6 view)."""
+    """One row of panels per source (and n): IoU with the oracle at matched budgets per method; the
+    skip ratio against delta per visiting order; and the Figure 6 view, output error against skip
+    ratio per order. Each point is the mean over the source's layers."""
     try:
         import matplotlib
     except ImportError:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
-    mask_rows = [r for r in rows if r["section"] == "mask" and r["selection"] == "budget"]
-    if mask_rows:
-        key = (mask_rows[0]["source"], mask_rows[0]["n"], mask_rows[0]["layer"])
+    sources = list(dict.fromkeys((r["source"], r["n"]) for r in rows))
+    fig, axes = plt.subplots(len(sources), 3, figsize=(16, 4.5 * len(sources)), squeeze=False)
+    for (source, n), (ax_iou, ax_skip, ax_err) in zip(sources, axes, strict=True):
+        here = [r for r in rows if (r["source"], r["n"]) == (source, n)]
+        layers = sorted({r["layer"] for r in here}, key=lambda x: -1 if x is None else x)
+        where = f"{source.removeprefix('model:')}, n={n}" + (
+            "" if layers == [None] else f", mean of layers {','.join(map(str, layers))}")
         for method in METHODS:
-            pts = sorted((r["budget"], r["iou"]) for r in mask_rows
-                         if r["method"] == method and (r["source"], r["n"], r["layer"]) == key)
+            pts = _mean_by([r for r in here if r["section"] == "mask" and r["selection"] == "budget"
+                            and r["method"] == method], "target_budget", "iou")
             if pts:
-                ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-        where = f"{key[0]}, n={key[1]}" + ("" if key[2] is None else f", layer {key[2]}")
-        ax1.set_title(f"IoU with the oracle at matched budgets ({where})")
-        ax1.set_xlabel("budget (fraction of causal blocks)")
-        ax1.set_ylabel("IoU")
-        ax1.grid(alpha=0.3)
-        ax1.legend()
-    skip = [r for r in rows if r["section"] == "skip"]
-    for label in ("kap", "ascending"):
-        pts = sorted((r["skip_ratio"], r["rel_err"]) for r in skip if r["order"] == label)
-        if pts:
-            ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="none", label=f"{label} order")
-    ax2.set_title("in-kernel skip ratio against output error (all sources)")
-    ax2.set_xlabel("skipped / visited blocks")
-    ax2.set_ylabel("relative error vs dense")
-    ax2.set_yscale("log")
-    ax2.grid(alpha=0.3)
-    ax2.legend()
+                ax_iou.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax_iou.set_title(f"{where}\nIoU with the oracle at matched budgets", fontsize=9)
+        ax_iou.set_xlabel("budget (fraction of causal blocks)")
+        ax_iou.set_ylabel("IoU")
+        skip = [r for r in here if r["section"] == "skip" and r["delta"] > 0]
+        for label in ("kap", "ascending"):
+            mine = [r for r in skip if r["order"] == label]
+            ratio, err = _mean_by(mine, "delta", "skip_ratio"), _mean_by(mine, "delta", "rel_err")
+            if ratio:
+                ax_skip.plot([p[0] for p in ratio], [p[1] for p in ratio], marker="o", label=f"{label} order")
+                ax_err.plot([p[1] for p in ratio], [p[1] for p in err], marker="o", label=f"{label} order")
+        ax_skip.set_title("in-kernel skip ratio against delta", fontsize=9)
+        ax_skip.set_xscale("log")
+        ax_skip.set_xlabel("delta (a block is skipped when max_r(m_loc - m) < ln(delta / N))")
+        ax_skip.set_ylabel("skipped / listed blocks")
+        ax_err.set_title("output error against skip ratio (one point per delta)", fontsize=9)
+        ax_err.set_xlabel("skipped / listed blocks")
+        ax_err.set_ylabel("||out - dense|| / ||dense||")
+        for ax in (ax_iou, ax_skip, ax_err):
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
     return save_figure(fig, path)
 
 
