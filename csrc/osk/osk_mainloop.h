@@ -68,6 +68,9 @@ struct OskMainloop {
   static constexpr uint32_t kTileBytes = uint32_t(Traits::kTileElems * sizeof(Element));
   // Accumulator registers of one thread for a 64 x 128 slice of S: 2 rows x 32 columns.
   static constexpr int kScoresPerThread = kBlockN / 2;
+  // Independent accumulators per row for the row max and the row sum (the combines below are
+  // written for four).
+  static constexpr int kChains = 4;
 
   // ---------------------------------------------------------------- producer (warpgroup 0)
 
@@ -291,6 +294,12 @@ struct OskMainloop {
     // Intra-warpgroup overlap (as FlashAttention-3): the P V product of the last computed block
     // is issued right after S = Q K^T of the next one and runs while that block's mask, vote and
     // exponentials execute. `pv_pending` says P (in tOrP) and its V stage still await that product.
+    //
+    // One step per list entry, compiled twice: with a P V product to issue (kPvPending) and
+    // without. Within each version every wgmma issued is waited for on every path, so ptxas can
+    // prove that no accumulator is read while a wgmma writing it may be in flight; a runtime flag
+    // tested around the issue and around the wait instead makes it serialise every wgmma of the
+    // kernel (ptxas C7514), which costs the overlap.
     bool pv_pending = false;
     int pv_stage = 0;
     uint32_t pv_parity = 0;
@@ -300,17 +309,18 @@ struct OskMainloop {
       warpgroup_fence_operand(tOrP);
       __syncwarp();
       if (lane == 0) { MBarrier::arrive(&storage.v_empty[pv_stage]); }
-      pv_pending = false;
     };
-    for (int k = 0; k < t.count; ++k) {
+    // Returns whether the step left a P awaiting its P V product (false when the block was skipped).
+    auto step = [&](int k, auto pv_pending_tag) -> bool {
+      constexpr bool kPvPending = decltype(pv_pending_tag)::value;
       const int block = __ldg(list + k);
       const int stage = k % kStages;
       const uint32_t parity = (k / kStages) & 1;
 
       MBarrier::wait(&storage.k_full[stage], parity);
-      if (pv_pending) { MBarrier::wait(&storage.v_full[pv_stage], pv_parity); }
+      if constexpr (kPvPending) { MBarrier::wait(&storage.v_full[pv_stage], pv_parity); }
       warpgroup_gemm_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
-      if (pv_pending) {
+      if constexpr (kPvPending) {
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, pv_stage), tOrO);
         warpgroup_wait<1>();  // S is ready; the P V product may still run
       } else {
@@ -334,15 +344,26 @@ struct OskMainloop {
         }
       }
 
-      float block_max[2] = {-INFINITY, -INFINITY};
+      // Row maxima over kChains partial maxima per row: a 32-long chain of dependent max
+      // instructions per row would sit on the critical path between S and the exponentials.
+      float partial_max[2][kChains];
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh) {
+        CUTE_UNROLL
+        for (int c = 0; c < kChains; ++c) { partial_max[rh][c] = -INFINITY; }
+      }
       CUTE_UNROLL
       for (int v = 0; v < kScoresPerThread; ++v) {
         const int rh = (v >> 1) & 1;
-        block_max[rh] = fmaxf(block_max[rh], tSrS(v));
+        const int c = (v >> 2) % kChains;
+        partial_max[rh][c] = fmaxf(partial_max[rh][c], tSrS(v));
       }
+      float block_max[2];
       float new_max[2];
       CUTE_UNROLL
       for (int rh = 0; rh < 2; ++rh) {
+        block_max[rh] = fmaxf(fmaxf(partial_max[rh][0], partial_max[rh][1]),
+                              fmaxf(partial_max[rh][2], partial_max[rh][3]));
         block_max[rh] = fmaxf(block_max[rh], __shfl_xor_sync(0xffffffffu, block_max[rh], 1));
         block_max[rh] = fmaxf(block_max[rh], __shfl_xor_sync(0xffffffffu, block_max[rh], 2));
         new_max[rh] = fmaxf(rows.max[rh], block_max[rh]);
@@ -369,11 +390,11 @@ struct OskMainloop {
         // No exp, no row sum, no rescale, no P V; the V stage is still waited for and released
         // so that the pipeline's phases stay in step with the producer.
         ++skipped;
-        if (pv_pending) { finish_pv(); }
+        if constexpr (kPvPending) { finish_pv(); }
         MBarrier::wait(&storage.v_full[stage], parity);
         __syncwarp();
         if (lane == 0) { MBarrier::arrive(&storage.v_empty[stage]); }
-        continue;
+        return false;
       }
 
       float rescale[2];
@@ -384,17 +405,22 @@ struct OskMainloop {
         max_scaled[rh] = new_max[rh] == -INFINITY ? 0.f : new_max[rh] * scale_log2;
         rescale[rh] = exp2f(rows.max[rh] * scale_log2 - max_scaled[rh]);
         rows.max[rh] = new_max[rh];
-        rows.sum[rh] *= rescale[rh];
       }
+      float partial_sum[2][kChains] = {};
       CUTE_UNROLL
       for (int v = 0; v < kScoresPerThread; ++v) {
         const int rh = (v >> 1) & 1;
         const float p = exp2f(tSrS(v) * scale_log2 - max_scaled[rh]);
         tSrS(v) = p;
-        rows.sum[rh] += p;
+        partial_sum[rh][(v >> 2) % kChains] += p;
+      }
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh) {
+        rows.sum[rh] = rows.sum[rh] * rescale[rh] + ((partial_sum[rh][0] + partial_sum[rh][1]) +
+                                                     (partial_sum[rh][2] + partial_sum[rh][3]));
       }
       // O and P are free once the previous P V product is done.
-      if (pv_pending) { finish_pv(); }
+      if constexpr (kPvPending) { finish_pv(); }
       CUTE_UNROLL
       for (int v = 0; v < size(tOrO); ++v) { tOrO(v) *= rescale[(v >> 1) & 1]; }
       {
@@ -405,9 +431,12 @@ struct OskMainloop {
             raw_pointer_cast(tOrP.data()));
         dst = Converter{}(src);
       }
-      pv_pending = true;
       pv_stage = stage;
       pv_parity = parity;
+      return true;
+    };
+    for (int k = 0; k < t.count; ++k) {
+      pv_pending = pv_pending ? step(k, cute::true_type{}) : step(k, cute::false_type{});
     }
     if (pv_pending) {
       MBarrier::wait(&storage.v_full[pv_stage], pv_parity);
