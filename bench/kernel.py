@@ -9,8 +9,10 @@ Rows (bench/README.md says what each one means and how the derived numbers are d
   osk    dense, random-<B>%                          the same lists, skip off (delta = 0)
   osk    skipcost-full / -first / -skip              the cost of an in-kernel skipped block
   osk    causal+skip                                 every causal block, ascending, delta 2000, structured input
-  kap    stride-<s>                                  the whole proxy (scores, sort, top-p, lists)
-  cosa   prefill                                     KAP + OSK with skip, structured input
+  kap    stride-<s>[-unchecked]                      the whole proxy (scores, sort, top-p, lists)
+  cosa   prefill[-unchecked]                         KAP + OSK with skip, structured input
+(-unchecked: with cosa.set_device_checks(False), i.e. without the ops' checks of index-tensor
+contents and their one host synchronisation per call.)
 The osk/kap/cosa rows appear only when torch.ops.cosa has CUDA kernels. Every sparse row is
 checked in the same run against a float32 reference restricted to the same block lists.
 
@@ -531,11 +533,13 @@ class Bench:
             out, _, _, counts, skipped = run(first)
             err = relative_error(rows_of(out, blocks, n), ref)
             del out
-            ms = time_ms(lambda: run(sets.take()))
-            self.add("cosa", "prefill", n, ms, block_flops(counts, skipped),
-                     budget=int(counts.sum()) / total, delta=SKIP_DELTA, rel_err=err,
-                     realised=(int(counts.sum()) - int(skipped.sum())) / total,
-                     note="stride 8, top_p 0.95, structured input")
+            for impl, checks in (("prefill", True), ("prefill-unchecked", False)):
+                with self.cosa.set_device_checks(checks):
+                    ms = time_ms(lambda: run(sets.take()))
+                self.add("cosa", impl, n, ms, block_flops(counts, skipped),
+                         budget=int(counts.sum()) / total, delta=SKIP_DELTA, rel_err=err,
+                         realised=(int(counts.sum()) - int(skipped.sum())) / total,
+                         note="stride 8, top_p 0.95, structured input" + ("" if checks else ", device checks off"))
 
     def kap_rows(self, ctx):
         """KAP alone per stride (top_p 0.95) on the random input; at N <= 16K its lists are
@@ -553,10 +557,13 @@ class Bench:
                     n, n, stride, 0.95, None)
                 same = (ref_counts == counts) & (ref_order == order).all(-1)
                 match = float(same.float().mean())
-            ms = time_ms(lambda: run(sets.take()))
-            self.add("kap", f"stride-{stride}", n, ms,
-                     budget=int(counts.sum()) / causal_blocks(ctx["nq"], CONFIG["hq"]), list_match=match,
-                     note=f"lists match reference {match:.3f}" if match is not None else "top_p 0.95")
+            for suffix, checks in (("", True), ("-unchecked", False)):
+                with self.cosa.set_device_checks(checks):
+                    ms = time_ms(lambda: run(sets.take()))
+                note = f"lists match reference {match:.3f}" if match is not None else "top_p 0.95"
+                self.add("kap", f"stride-{stride}{suffix}", n, ms,
+                         budget=int(counts.sum()) / causal_blocks(ctx["nq"], CONFIG["hq"]), list_match=match,
+                         note=note + ("" if checks else ", device checks off"))
 
     # -- derived columns, table, plot ---------------------------------------------------------
 

@@ -22,7 +22,7 @@ if _C_AVAILABLE:
 
     _ops.register()
 
-from .api import kap, osk, prefill, sparse_attention  # noqa: E402
+from .api import device_checks_enabled, kap, osk, prefill, set_device_checks, sparse_attention  # noqa: E402
 
 
 def cuda_kernels_available() -> bool:
@@ -31,4 +31,5 @@ def cuda_kernels_available() -> bool:
 
 
 __version__ = "0.1.0"
-__all__ = ["prefill", "kap", "osk", "sparse_attention", "reference", "testing", "cuda_kernels_available"]
+__all__ = ["prefill", "kap", "osk", "sparse_attention", "reference", "testing", "cuda_kernels_available",
+           "set_device_checks", "device_checks_enabled"]

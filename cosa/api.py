@@ -4,6 +4,9 @@ contiguous ``[B, S, H, d]`` convenience entry point."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from . import _C_AVAILABLE, reference
@@ -16,6 +19,48 @@ def _ops():
             "cosa's compiled extension (cosa._C) is not available: install the package with "
             "`TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .` (cosa.reference works without it)")
     return torch.ops.cosa
+
+
+DEVICE_CHECKS_ENV = "COSA_DEVICE_CHECKS"
+
+
+def device_checks_enabled() -> bool:
+    """Whether the CUDA ops check the contents of their index tensors (see ``set_device_checks``)."""
+    return os.environ.get(DEVICE_CHECKS_ENV) != "0"
+
+
+@contextlib.contextmanager
+def _restore_device_checks(previous: str | None):
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(DEVICE_CHECKS_ENV, None)
+        else:
+            os.environ[DEVICE_CHECKS_ENV] = previous
+
+
+def set_device_checks(enabled: bool):
+    """Turn the CUDA ops' checks of index-tensor contents on or off (on by default).
+
+    With them on, every eager CUDA call checks ``cu_seqlens_q``, ``seqused_k``, ``page_table`` and
+    (for ``osk``) ``order``/``counts`` against the layout contract with two small kernels and one
+    host synchronisation, so that bad contents raise a clear error instead of reading out of bounds.
+    Turn them off where those tensors are right by construction and the synchronisation matters
+    (short prompts: about 20-30 us per call); contents that break the contract are then undefined
+    behaviour. They are always off while a CUDA graph is being captured; shape, dtype and device
+    checks always run. Sets ``COSA_DEVICE_CHECKS`` (``0`` = off) in this process's environment, which
+    the extension reads on every call; the returned context manager restores the previous setting::
+
+        with cosa.set_device_checks(False):
+            out, lse, skipped = cosa.prefill(...)
+    """
+    previous = os.environ.get(DEVICE_CHECKS_ENV)
+    if enabled:
+        os.environ.pop(DEVICE_CHECKS_ENV, None)
+    else:
+        os.environ[DEVICE_CHECKS_ENV] = "0"
+    return _restore_device_checks(previous)
 
 
 def _max_lengths(cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k):

@@ -25,6 +25,7 @@
 #include <optional>
 #include <type_traits>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -332,9 +333,19 @@ std::vector<int64_t> to_host(const at::Tensor& t) {
 // (csrc/checks/) and one read-back of kNumInputChecks integers; the values that word a message
 // are fetched only when a check failed. Skipped while the current stream captures a CUDA graph
 // (reading device data is not allowed then).
+// COSA_DEVICE_CHECKS=0 in the environment turns these checks off (read on every call, so that
+// cosa.set_device_checks can flip it at run time): for callers whose index tensors are right by
+// construction and who cannot pay the host synchronisation. The checks on shapes, dtypes and
+// devices above always run.
+bool device_checks_enabled() {
+  const char* value = std::getenv("COSA_DEVICE_CHECKS");
+  return value == nullptr || std::string_view(value) != "0";
+}
+
 void check_device_data(const char* op, const cosa::PagedLayout& layout, const at::Tensor& q,
                        const at::Tensor& page_table, const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k,
                        bool check_max_seqlen_k, const at::Tensor* order, const at::Tensor* counts) {
+  if (!device_checks_enabled()) return;
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
   at::Tensor report = at::empty({cosa::kNumInputChecks}, q.options().dtype(at::kLong));
   cosa::InputCheckParams params;

@@ -194,3 +194,32 @@ def test_bad_lists_are_a_clear_error(ops, device):
         ops.osk(*base, order, counts[:, :-1], p["max_seqlen_q"])
     with pytest.raises(TypeError, match="cosa.osk: order must be int32"):
         ops.osk(*base, order.long(), counts, p["max_seqlen_q"])
+
+
+@pytest.mark.gpu
+def test_device_checks_can_be_turned_off(ops):
+    """The device-data checks are the ops' one host synchronisation: on by default, and gone
+    (same results, no synchronisation) with cosa.set_device_checks(False)."""
+    p = small_problem(device="cuda")
+    expected = ops.prefill(*prefill_args(p))
+    torch.cuda.synchronize()
+    assert cosa.device_checks_enabled()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            ops.prefill(*prefill_args(p))
+        with cosa.set_device_checks(False):
+            assert not cosa.device_checks_enabled()
+            got = ops.prefill(*prefill_args(p))
+            order, counts = ops.kap(*prefill_args(p)[:2], *prefill_args(p)[3:])
+            ops.osk(*prefill_args(p)[:6], order, counts, p["max_seqlen_q"])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cosa.device_checks_enabled()
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    # Back on: a bad page table entry is caught again.
+    bad = p["page_table"].clone()
+    bad[0, 0] = p["k_cache"].shape[0]
+    with pytest.raises(ValueError, match=r"cosa.prefill: page_table\[0, 0\]"):
+        ops.prefill(p["q"], p["k_cache"], p["v_cache"], bad, *prefill_args(p)[4:])
