@@ -9,10 +9,11 @@ Rows (bench/README.md says what each one means and how the derived numbers are d
   osk    dense, random-<B>%                          the same lists, skip off (delta = 0)
   osk    skipcost-full / -first / -skip              the cost of an in-kernel skipped block
   osk    causal+skip                                 every causal block, ascending, delta 2000, structured input
-  kap    stride-<s>[-unchecked]                      the whole proxy (scores, sort, top-p, lists)
+  kap    stride-<s>[-unchecked|-graph]               the whole proxy (scores, sort, top-p, lists)
   cosa   prefill[-unchecked]                         KAP + OSK with skip, structured input
 (-unchecked: with cosa.set_device_checks(False), i.e. without the ops' checks of index-tensor
-contents and their one host synchronisation per call.)
+contents and their one host synchronisation per call; -graph: replayed from a CUDA graph, so
+without any host work: the GPU time of the kernels alone.)
 The osk/kap/cosa rows appear only when torch.ops.cosa has CUDA kernels. Every sparse row is
 checked in the same run against a float32 reference restricted to the same block lists.
 
@@ -277,6 +278,20 @@ def flex_block_mask(order: torch.Tensor, counts: torch.Tensor):
         torch.ones((1, hq, nq), dtype=torch.int32, device=order.device), partial_idx,
         (counts - 1).unsqueeze(0).contiguous(), order.clamp(min=0).unsqueeze(0).contiguous(),
         BLOCK_SIZE=BLOCK, mask_mod=causal_mask_mod)
+
+
+def graph_of(fn):
+    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream, as capture needs);
+    returns the replay. The ops skip their device-data checks while captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def load_cosa():
@@ -557,13 +572,16 @@ class Bench:
                     n, n, stride, 0.95, None)
                 same = (ref_counts == counts) & (ref_order == order).all(-1)
                 match = float(same.float().mean())
+            note = f"lists match reference {match:.3f}" if match is not None else "top_p 0.95"
+            budget = int(counts.sum()) / causal_blocks(ctx["nq"], CONFIG["hq"])
             for suffix, checks in (("", True), ("-unchecked", False)):
                 with self.cosa.set_device_checks(checks):
                     ms = time_ms(lambda: run(sets.take()))
-                note = f"lists match reference {match:.3f}" if match is not None else "top_p 0.95"
-                self.add("kap", f"stride-{stride}{suffix}", n, ms,
-                         budget=int(counts.sum()) / causal_blocks(ctx["nq"], CONFIG["hq"]), list_match=match,
+                self.add("kap", f"stride-{stride}{suffix}", n, ms, budget=budget, list_match=match,
                          note=note + ("" if checks else ", device checks off"))
+            replay = graph_of(lambda: run(first))
+            self.add("kap", f"stride-{stride}-graph", n, time_ms(replay), budget=budget, list_match=match,
+                     note=note + ", CUDA graph replay (no host work, no checks), one input set")
 
     # -- derived columns, table, plot ---------------------------------------------------------
 
