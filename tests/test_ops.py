@@ -223,3 +223,16 @@ def test_device_checks_can_be_turned_off(ops):
     bad[0, 0] = p["k_cache"].shape[0]
     with pytest.raises(ValueError, match=r"cosa.prefill: page_table\[0, 0\]"):
         ops.prefill(p["q"], p["k_cache"], p["v_cache"], bad, *prefill_args(p)[4:])
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_sparse_attention_checks_the_prefix_on_the_host(ops, device):
+    """sparse_attention builds its own index tensors and skips the device-data checks, so the one
+    condition its caller controls, the prefix, is checked on the host; the setting is restored."""
+    q = torch.randn(1, 130, 4, 64, device=device).bfloat16()
+    k = torch.randn(1, 130 + 100, 2, 64, device=device).bfloat16()
+    with pytest.raises(ValueError, match="cosa.sparse_attention: the cached prefix Sk - Sq = 100 must be a multiple of 128"):
+        cosa.sparse_attention(q, k, k)
+    assert cosa.device_checks_enabled()
+    cosa.sparse_attention(q, k[:, :130], k[:, :130])
+    assert cosa.device_checks_enabled()
