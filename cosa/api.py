@@ -50,7 +50,9 @@ def set_device_checks(enabled: bool):
     (short prompts: about 20-30 us per call); contents that break the contract are then undefined
     behaviour. They are always off while a CUDA graph is being captured; shape, dtype and device
     checks always run. Sets ``COSA_DEVICE_CHECKS`` (``0`` = off) in this process's environment, which
-    the extension reads on every call; the returned context manager restores the previous setting::
+    the extension reads on every call: the setting is process-wide, so set it at start-up (or in
+    the environment) rather than flipping it while other threads run cosa ops. The returned context
+    manager restores the previous setting::
 
         with cosa.set_device_checks(False):
             out, lse, skipped = cosa.prefill(...)
@@ -137,12 +139,9 @@ def sparse_attention(q, k, v, *, stride=8, top_p=0.95, softmax_scale=None, delta
     page_table = torch.arange(batch * pages, dtype=torch.int32, device=device).reshape(batch, pages)
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
     seqused_k = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-    # The index tensors are built here and meet the layout contract by construction (the prefix
-    # was checked above), so the device-data checks, and their host synchronisation, are skipped.
-    with set_device_checks(False):
-        result = prefill(q.reshape(batch * seqlen_q, *q.shape[2:]), _as_paged(k, BLOCK), _as_paged(v, BLOCK),
-                         page_table, cu_seqlens_q, seqused_k, seqlen_q, seqlen_k, stride=stride, top_p=top_p,
-                         softmax_scale=softmax_scale, delta=delta, return_stats=return_stats)
+    result = prefill(q.reshape(batch * seqlen_q, *q.shape[2:]), _as_paged(k, BLOCK), _as_paged(v, BLOCK),
+                     page_table, cu_seqlens_q, seqused_k, seqlen_q, seqlen_k, stride=stride, top_p=top_p,
+                     softmax_scale=softmax_scale, delta=delta, return_stats=return_stats)
     if return_stats:
         out, stats = result
         return out.reshape(q.shape), stats
