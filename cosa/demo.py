@@ -62,29 +62,6 @@ def choose_mode(device_arg: str) -> tuple[str, str | None]:
     return "kernels", None
 
 
-def locate_needles(problem: dict, plain: dict, n: int) -> list[tuple[int, int, int]]:
-    """The planted needle spans as (first token, last token, KV head).
-
-    random_problem draws the random q, k, v before it plants anything, so the same seed without
-    structure gives the unplanted keys. Sinks and the band add the same vector to every KV head;
-    a needle adds, to a single head, a vector along a direction orthogonal to those. So at a
-    needle row the squared norm of what was added to that head exceeds the other heads' by the
-    needle's squared amplitude (needs two or more KV heads)."""
-    k_mixed = reference.gather_kv(problem["k_cache"], problem["page_table"], 0, n).float()
-    k_plain = reference.gather_kv(plain["k_cache"], plain["page_table"], 0, n).float()
-    added = (k_mixed - k_plain).square().sum(-1)                  # [n, Hkv]
-    excess = added - added.min(dim=1, keepdim=True).values
-    # bf16 rounding leaves excesses well below 1; a planted needle adds tens (amp^2 = 10 sqrt(d)).
-    rows, heads = torch.nonzero(excess > max(1.0, 0.5 * float(excess.max())), as_tuple=True)
-    spans: list[list[int]] = []
-    for row, head in sorted(zip(rows.tolist(), heads.tolist()), key=lambda x: (x[1], x[0])):
-        if spans and spans[-1][2] == head and spans[-1][1] + 1 == row:
-            spans[-1][1] = row
-        else:
-            spans.append([row, row, head])
-    return [tuple(s) for s in spans]
-
-
 def needle_selection(order: torch.Tensor, counts: torch.Tensor, span, hq: int, hkv: int, nq: int):
     """For the query heads that read the needle's KV head and the query blocks wholly after the
     needle: (lists holding every key block of the needle, lists that can see it)."""
@@ -180,12 +157,9 @@ def main(argv=None) -> int:
              else f"CPU, PyTorch reference ({why})")
     print(f"CoSA demo: causal prefill of {n} tokens, Hq {hq}, Hkv {hkv}, d {HEAD_DIM}, bf16 on {where}")
 
-    problem = testing.random_problem([n], [n], hq, hkv, HEAD_DIM, BLOCK, torch.bfloat16, device,
-                                     structure="mixed", seed=args.seed)
-    plain = testing.random_problem([n], [n], hq, hkv, HEAD_DIM, BLOCK, torch.bfloat16, device,
-                                   structure=None, seed=args.seed)
-    needles = locate_needles(problem, plain, n)
-    del plain
+    problem, planted = testing.random_problem([n], [n], hq, hkv, HEAD_DIM, BLOCK, torch.bfloat16, device,
+                                              structure="mixed", seed=args.seed, return_needles=True)
+    needles = sorted((first, last, head) for _, first, last, head in planted)
     print(f"input: random q/k/v with attention sinks, a local band and {len(needles)} planted needles "
           f"(cosa.testing.random_problem, structure='mixed', seed {args.seed})")
 

@@ -57,7 +57,8 @@ def paged_kv(k, v, seqlens_k, page_size, shuffle=True, generator=None):
 
 
 def _plant(q, k, q_pos, k_pos, structure, generator, scale_logit):
-    """Add the planted patterns to float32 q [Lq, Hq, d] and k [Lk, Hkv, d] of one sequence."""
+    """Add the planted patterns to float32 q [Lq, Hq, d] and k [Lk, Hkv, d] of one sequence;
+    returns the needles planted, as (first key token, last key token, KV head)."""
     d = q.shape[-1]
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
@@ -82,6 +83,7 @@ def _plant(q, k, q_pos, k_pos, structure, generator, scale_logit):
             f = amp / math.sqrt(len(periods))
             q += f * (torch.cos(w * q_pos)[:, None, None] * a + torch.sin(w * q_pos)[:, None, None] * c)
             k += f * (torch.cos(w * k_pos)[:, None, None] * a + torch.sin(w * k_pos)[:, None, None] * c)
+    needles = []
     if "needles" in kinds:
         # A needle is a short span (a sentence of a few tokens), as in needle-in-a-haystack prompts.
         for pos in torch.randint(0, max(1, k.shape[0] - NEEDLE_TOKENS), (3,), generator=generator).tolist():
@@ -91,30 +93,33 @@ def _plant(q, k, q_pos, k_pos, structure, generator, scale_logit):
             k[pos:pos + NEEDLE_TOKENS, head] += amp * u
             later = q_pos >= pos + NEEDLE_TOKENS
             q[later, head * group:(head + 1) * group] += amp * u
-    return q, k
+            needles.append((pos, min(pos + NEEDLE_TOKENS, k.shape[0]) - 1, head))
+    return needles
 
 
 def random_problem(seqlens_q, seqlens_k, num_heads_q, num_heads_kv, head_dim, page_size=128,
                    dtype=torch.bfloat16, device="cpu", structure=None, seed=0, shuffle_pages=True,
-                   scale_logit=10.0):
+                   scale_logit=10.0, return_needles=False):
     """A packed, paged attention problem (spec section 1) with random or structured content.
 
     Returns a dict with q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q,
-    max_seqlen_k (the keyword arguments of ``cosa.prefill``)."""
+    max_seqlen_k (the keyword arguments of ``cosa.prefill``); with ``return_needles=True``, also
+    the planted needles as a list of (sequence, first key token, last key token, KV head), key
+    tokens counted from the sequence's first key (prefix included)."""
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
     if len(seqlens_q) != len(seqlens_k):
         raise ValueError("seqlens_q and seqlens_k must have the same length")
     gen = torch.Generator().manual_seed(seed)
-    qs, ks, vs = [], [], []
-    for lq, lk in zip(seqlens_q, seqlens_k):
+    qs, ks, vs, needles = [], [], [], []
+    for b, (lq, lk) in enumerate(zip(seqlens_q, seqlens_k)):
         q = torch.randn((lq, num_heads_q, head_dim), generator=gen)
         k = torch.randn((lk, num_heads_kv, head_dim), generator=gen)
         v = torch.randn((lk, num_heads_kv, head_dim), generator=gen)
         if structure is not None:
             q_pos = torch.arange(lk - lq, lk, dtype=torch.float32)
             k_pos = torch.arange(lk, dtype=torch.float32)
-            q, k = _plant(q, k, q_pos, k_pos, structure, gen, scale_logit)
+            needles += [(b, *needle) for needle in _plant(q, k, q_pos, k_pos, structure, gen, scale_logit)]
         qs.append(q)
         ks.append(k)
         vs.append(v)
@@ -123,8 +128,9 @@ def random_problem(seqlens_q, seqlens_k, num_heads_q, num_heads_kv, head_dim, pa
     v = torch.cat(vs).to(dtype=dtype, device=device)
     k_cache, v_cache, page_table = paged_kv(k, v, seqlens_k, page_size, shuffle=shuffle_pages, generator=gen)
     cu = torch.tensor([0] + list(seqlens_q), dtype=torch.int64).cumsum(0).to(torch.int32)
-    return dict(
+    problem = dict(
         q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table.to(device),
         cu_seqlens_q=cu.to(device), seqused_k=torch.tensor(list(seqlens_k), dtype=torch.int32, device=device),
         max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
     )
+    return (problem, needles) if return_needles else problem
