@@ -28,14 +28,10 @@ def main(argv=None) -> int:
     if src.suffix != ".gguf" or not src.is_file():
         p.error(f"gguf: {src} is not a .gguf file")
 
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from accuracy import load_model
 
-    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     progress(f"dequantising {src}")
-    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                 **{dtype_key: getattr(torch, args.dtype)})
+    model, tokenizer, _ = load_model(str(src), "cpu", getattr(torch, args.dtype))
     # The weights are plain tensors now; the GGUF marker left on the model only stops them from
     # being saved.
     model.hf_quantizer = None

@@ -68,9 +68,9 @@ struct OskMainloop {
   static constexpr uint32_t kTileBytes = uint32_t(Traits::kTileElems * sizeof(Element));
   // Accumulator registers of one thread for a 64 x 128 slice of S: 2 rows x 32 columns.
   static constexpr int kScoresPerThread = kBlockN / 2;
-  // Independent accumulators per row for the row max and the row sum (the combines below are
-  // written for four).
+  // Independent accumulators per row for the row max and the row sum.
   static constexpr int kChains = 4;
+  static_assert(kChains == 4, "mma() combines exactly four partial maxima and sums per row");
 
   // ---------------------------------------------------------------- producer (warpgroup 0)
 
