@@ -1,7 +1,7 @@
 // Torch-free parameter structs (composition, no inheritance, so that a C mirror of them is
 // straightforward) shared by the torch binding (csrc/torch_binding.cpp) and
 // the CUDA kernels. Everything is plain data: raw pointers, element strides, sizes.
-// Semantics: ../shared/docs/spec.md (a copy of the contract lives in docs/spec.md).
+// Semantics: docs/spec.md (the contract that every implementation of the ops agrees on).
 #pragma once
 
 #include <cstddef>
@@ -69,17 +69,25 @@ struct KapParams {
   void* workspace = nullptr;
 };
 
+// Who decides together whether a listed block's P V work is skipped (spec section 3): the whole
+// 128-row tile (both consumer warpgroups agree, one barrier across them per block), or each 64-row
+// warpgroup for its own rows (no barrier between the two halves).
+enum class VoteScope : int { kTile = 0, kWarpgroup = 1 };
+
 // OSK (spec section 3).
 struct OskParams {
   PagedLayout layout;
   const int32_t* order = nullptr;   // [num_heads_q, num_q_blocks, max_k_blocks]
   const int32_t* counts = nullptr;  // [num_heads_q, num_q_blocks]
   float delta = 2000.f;             // <= 0 disables the in-kernel skip
+  VoteScope vote = VoteScope::kWarpgroup;
   // out: [total_q, num_heads_q, head_dim], same dtype as q, head_dim contiguous.
   void* out = nullptr;
   int64_t out_row_stride = 0, out_head_stride = 0;
   float* lse = nullptr;        // [num_heads_q, total_q], contiguous
-  int32_t* skipped = nullptr;  // [num_heads_q, num_q_blocks], contiguous
+  // [num_heads_q, num_q_blocks], contiguous: the 64-row halves of the tile whose P V work the vote
+  // skipped, summed over the list (a tile-wide skip counts 2).
+  int32_t* skipped = nullptr;
 };
 
 // The data-dependent argument checks of the binding (csrc/checks/input_checks.cu): the conditions of

@@ -3,6 +3,7 @@
 // which matters at short contexts where the attention itself takes a fraction of a millisecond.
 #include <cstdint>
 
+#include "common/query_blocks.cuh"
 #include "cosa_params.h"
 
 namespace cosa {
@@ -44,25 +45,15 @@ __global__ void check_lengths_and_pages(InputCheckParams p) {
   }
 }
 
-// The diagonal key block of packed query block g, or -1 for a padding row.
-__device__ int64_t diagonal_block(const PagedLayout& l, int64_t g) {
-  int64_t first_row = 0;
-  for (int b = 0; b < l.batch; ++b) {
-    const int64_t lq = l.cu_seqlens_q[b + 1] - l.cu_seqlens_q[b];
-    const int64_t nq = lq > 0 ? (lq + kBlockSize - 1) / kBlockSize : 0;
-    if (g < first_row + nq) return (l.seqused_k[b] - lq) / kBlockSize + (g - first_row);
-    first_row += nq;
-  }
-  return -1;
-}
-
-// One warp per list (row h * num_q_blocks + g), its lanes reading the entries side by side.
+// One warp per list (row h * num_q_blocks + g), its lanes reading the entries side by side (and
+// locating g together: locate_query_block is warp-collective).
 __global__ void check_lists(InputCheckParams p) {
   const PagedLayout& l = p.layout;
   const int lane = threadIdx.x % 32;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (row >= static_cast<int64_t>(l.num_heads_q) * l.num_q_blocks) return;
-  const int64_t diagonal = diagonal_block(l, row % l.num_q_blocks);
+  const QueryBlock block = locate_query_block(l, static_cast<int>(row % l.num_q_blocks));
+  const int64_t diagonal = block.valid ? block.diagonal : -1;  // a padding row lists nothing
   const int64_t count = p.counts[row];
   if (lane == 0) {
     if (count < 0 || count > diagonal + 1) record(p.report + kCheckCountRange, row);

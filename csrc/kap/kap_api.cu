@@ -1,8 +1,12 @@
 // cosa::run_kap and cosa::kap_workspace_bytes (declared in cosa_params.h): the index pass, then per
 // chunk of query heads the scoring and selection passes (see kap_traits.h), all enqueued on one
-// stream without host synchronisation.
+// stream as one chain of dependent launches, without host synchronisation.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
+#include "common/dependent_launch.h"
+#include "common/query_blocks.cuh"
 #include "cosa_params.h"
 #include "kap/kap_launch.h"
 #include "kap/kap_select_kernel.cuh"
@@ -13,12 +17,27 @@ namespace kap {
 namespace {
 
 constexpr int kIndexThreads = 1024;
+// Words of rm per zeroing CTA of the index kernel (four per thread); past one CTA per SM they loop.
+constexpr int64_t kRowMaxWordsPerCta = 4 * kIndexThreads;
 
-// Prefix sums over the batch of the query blocks (ceil(Lq_b / 128)) and scoring tiles
-// (ceil(ceil(Lq_b / s) / 128)) of each sequence: one CTA, chunks of kIndexThreads sequences.
+// CTA 0: prefix sums over the batch of the query blocks (ceil(Lq_b / 128)) and scoring tiles
+// (ceil(ceil(Lq_b / s) / 128)) of each sequence, in chunks of kIndexThreads sequences. The other
+// CTAs zero the first `row_max_words` words of rm, the first head chunk's: the scoring pass folds
+// its row maxima into a zeroed buffer (the select kernels re-zero it for later chunks), and doing
+// it here rather than in a memset keeps the launches one chain of kernels.
 __global__ void __launch_bounds__(kIndexThreads)
     kap_index_kernel(const int32_t* cu_seqlens_q, int batch, int stride, int32_t* q_block_start,
-                     int32_t* tile_start) {
+                     int32_t* tile_start, uint32_t* row_max, int64_t row_max_words) {
+  // A dependent launch (common/dependent_launch.h) after whatever the stream ran before KAP; the
+  // scoring kernel may launch as soon as every CTA here has started.
+  cudaGridDependencySynchronize();
+  cudaTriggerProgrammaticLaunchCompletion();
+  if (blockIdx.x > 0) {
+    const int64_t step = static_cast<int64_t>(gridDim.x - 1) * kIndexThreads;
+    const int64_t first = static_cast<int64_t>(blockIdx.x - 1) * kIndexThreads + threadIdx.x;
+    for (int64_t w = first; w < row_max_words; w += step) row_max[w] = 0;
+    return;
+  }
   __shared__ int warp_blocks[kIndexThreads / 32], warp_tiles[kIndexThreads / 32];
   __shared__ int carry_blocks, carry_tiles;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -32,7 +51,7 @@ __global__ void __launch_bounds__(kIndexThreads)
     int blocks = 0, tiles = 0;
     if (b < batch) {
       const int len_q = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-      blocks = (len_q + kBlockSize - 1) / kBlockSize;
+      blocks = num_query_blocks(len_q);
       tiles = ((len_q + stride - 1) / stride + kTileRows - 1) / kTileRows;
     }
     int inc_blocks = blocks, inc_tiles = tiles;
@@ -76,8 +95,8 @@ template <int kStride>
 cudaError_t launch_select(const KapDeviceArgs& args, cudaStream_t stream) {
   if (args.layout.max_k_blocks <= kWarpSortMax) {
     const dim3 grid((args.layout.num_q_blocks + kSelectWarps - 1) / kSelectWarps, args.head_count);
-    kap_select_warp_kernel<kStride><<<grid, 32 * kSelectWarps, 0, stream>>>(args);
-    return cudaGetLastError();
+    return launch_dependent(kap_select_warp_kernel<kStride>, grid, dim3(32 * kSelectWarps), 0,
+                            stream, args);
   }
   const size_t smem = select_smem_bytes(args.layout.max_k_blocks);
   auto kernel = kap_select_block_kernel<kStride>;
@@ -87,8 +106,7 @@ cudaError_t launch_select(const KapDeviceArgs& args, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(args.layout.num_q_blocks, args.head_count);
-  kernel<<<grid, kSelectThreads, smem, stream>>>(args);
-  return cudaGetLastError();
+  return launch_dependent(kernel, grid, dim3(kSelectThreads), smem, stream, args);
 }
 
 template <bool kBFloat16, int kHeadDim>
@@ -152,13 +170,13 @@ cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
   args.row_max = reinterpret_cast<uint32_t*>(base + ws.row_max_offset);
   args.block_max_rows = ws.rows;
   args.num_tiles = kap::score_tiles_bound(layout, params.stride);
+  int device = 0, num_sms = 132;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   {
     // Column tiles and units: 256-wide tiles unless the problem gives fewer than two waves of
     // them; units long enough to amortise the pipeline fill, short enough that the causal
     // triangle splits into some four waves of CTAs per head chunk.
-    int device = 0, num_sms = 132;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
     const int64_t stride_cols = (layout.max_seqlen_k + params.stride - 1) / params.stride;
     auto causal_work = [&](int64_t tile_cols) {  // column tiles of all row tiles, about
       return static_cast<int64_t>(ws.heads_per_chunk) * args.num_tiles *
@@ -170,16 +188,19 @@ cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
         per_unit < 1 ? 1 : (per_unit > kap::kMaxColTilesPerUnit ? kap::kMaxColTilesPerUnit : per_unit));
   }
 
-  kap::kap_index_kernel<<<1, kap::kIndexThreads, 0, stream>>>(
-      layout.cu_seqlens_q, layout.batch, params.stride,
+  // The first head chunk has heads_per_chunk heads (heads_per_chunk <= num_heads_q).
+  const int64_t row_max_words = ws.rows * ws.heads_per_chunk;
+  const int64_t zeroing_ctas = std::min<int64_t>(
+      (row_max_words + kap::kRowMaxWordsPerCta - 1) / kap::kRowMaxWordsPerCta, num_sms);
+  cudaError_t err = launch_dependent(
+      kap::kap_index_kernel, dim3(static_cast<unsigned>(1 + zeroing_ctas)),
+      dim3(kap::kIndexThreads), 0, stream, layout.cu_seqlens_q, layout.batch, params.stride,
       reinterpret_cast<int32_t*>(base + ws.q_block_start_offset),
-      reinterpret_cast<int32_t*>(base + ws.tile_start_offset));
-  cudaError_t err = cudaGetLastError();
+      reinterpret_cast<int32_t*>(base + ws.tile_start_offset), args.row_max, row_max_words);
   for (int head = 0; err == cudaSuccess && head < layout.num_heads_q; head += ws.heads_per_chunk) {
     args.head_begin = head;
     args.head_count = min(ws.heads_per_chunk, layout.num_heads_q - head);
-    err = cudaMemsetAsync(args.row_max, 0, sizeof(uint32_t) * ws.rows * args.head_count, stream);
-    if (err == cudaSuccess) err = kap::launch_chunk(args, params.stride, stream);
+    err = kap::launch_chunk(args, params.stride, stream);
   }
   return err;
 }

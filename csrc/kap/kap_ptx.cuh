@@ -1,30 +1,12 @@
-// Thin wrappers over the sm_90a instructions the KAP scoring kernel uses: 16-byte cp.async with
-// zero fill (the gathers through the page table and the strided query rows), the shared-memory
-// matrix descriptor of a 128-byte-swizzled K-major tile, and warpgroup MMA (wgmma) m64n128k16
-// and m64n256k16 with fp32 accumulators.
+// Thin wrappers over the sm_90a instructions the KAP scoring kernel uses besides the cp.async
+// copies of common/async_copy.cuh: the proxy fence between those copies and the tensor cores, the
+// shared-memory matrix descriptor of a 128-byte-swizzled K-major tile, and warpgroup MMA (wgmma)
+// m64n128k16 and m64n256k16 with fp32 accumulators.
 #pragma once
 
 #include <cstdint>
 
 namespace cosa::kap {
-
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// Copies 16 bytes global -> shared; `valid == false` writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
-               "r"(src_bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
 
 // cp.async writes through the generic proxy; wgmma reads shared memory through the async proxy.
 __device__ __forceinline__ void fence_proxy_async_shared() {
@@ -35,9 +17,9 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 // the 128-byte swizzle (16-byte chunk c of row r sits at chunk c ^ (r % 8)), 8-row groups 1024
 // bytes apart; the tile must start 1024-byte aligned. Advancing the start address by 32 bytes
 // selects the next 16-element K slice.
-__device__ __forceinline__ uint64_t sw128_kmajor_desc(uint32_t smem_addr) {
+__device__ __forceinline__ uint64_t sw128_kmajor_desc(uint32_t tile_addr) {
   uint64_t desc = 0;
-  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);  // start address
+  desc |= static_cast<uint64_t>((tile_addr & 0x3FFFF) >> 4);  // start address
   desc |= static_cast<uint64_t>(1) << 16;                      // leading offset: unused here
   desc |= static_cast<uint64_t>(1024 >> 4) << 32;              // stride between 8-row groups
   desc |= static_cast<uint64_t>(1) << 62;                      // 128-byte swizzle

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "common/async_copy.cuh"
 #include "kap/kap_ptx.cuh"
 #include "kap/kap_traits.h"
 
@@ -38,6 +39,12 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
   constexpr int kLoadsA = kTileRows / kLoadRows;             // per thread and step
   constexpr int kLoadsB = kTileCols / kLoadRows;
 
+  // A dependent launch (common/dependent_launch.h) after the index kernel or the previous head
+  // chunk's select kernel: the prefix sums, the zeroed rm buffer and the bm buffer that the
+  // previous chunk's selection reads are settled only past the wait. The select kernel may launch
+  // as soon as every CTA here has started: its CTAs then wait on SMs that this grid has left.
+  cudaGridDependencySynchronize();
+  cudaTriggerProgrammaticLaunchCompletion();
   const PagedLayout& L = args.layout;
   const int tile = args.num_tiles - 1 - static_cast<int>(blockIdx.z);  // longest tiles first
   const int head = args.head_begin + static_cast<int>(blockIdx.x);
@@ -61,7 +68,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
-  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t smem_base = smem_addr(smem);
   // Stage st: A (Qs slice) at st * kStageBytes, B (Ks slice) right after it.
   auto a_stage = [&](int st) { return smem_base + st * kStageBytes; };
   auto b_stage = [&](int st) { return smem_base + st * kStageBytes + kTileABytes; };
@@ -128,12 +135,14 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
 #pragma unroll
       for (int i = 0; i < kLoadsA; ++i) {
         const bool q_valid = t >= q_first_valid[i];
-        cp_async_16(a_dst + i * kLoadRows * 128, q_valid ? q_base[i] + q_offset : q_ptr, q_valid);
+        cp_async_16_zfill(a_dst + i * kLoadRows * 128, q_valid ? q_base[i] + q_offset : q_ptr,
+                          q_valid);
       }
 #pragma unroll
       for (int i = 0; i < kLoadsB; ++i) {
         const bool k_valid = t < k_valid_count[i];
-        cp_async_16(b_dst + i * kLoadRows * 128, k_valid ? k_base[i] + k_offset : k_ptr, k_valid);
+        cp_async_16_zfill(b_dst + i * kLoadRows * 128, k_valid ? k_base[i] + k_offset : k_ptr,
+                          k_valid);
       }
     }
     cp_async_commit();  // possibly empty: keeps one group per step

@@ -1,6 +1,7 @@
 // Definition of launch_score, included by the per-dtype instantiation files.
 #pragma once
 
+#include "common/dependent_launch.h"
 #include "kap/kap_launch.h"
 #include "kap/kap_score_kernel.cuh"
 
@@ -16,8 +17,7 @@ cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
   const int max_col_tiles = ((args.layout.max_seqlen_k + kStride - 1) / kStride + kCols - 1) / kCols;
   const int num_units = (max_col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit;
   const dim3 grid(args.head_count, num_units, args.num_tiles);
-  kernel<<<grid, kScoreThreads, Tile::kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  return launch_dependent(kernel, grid, dim3(kScoreThreads), Tile::kSmemBytes, stream, args);
 }
 
 template <bool kBFloat16, int kHeadDim, int kStride>

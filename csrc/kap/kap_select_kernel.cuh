@@ -9,13 +9,15 @@
 // Two kernels: kap_select_warp_kernel gives each list one warp and sorts up to kWarpSortMax keys
 // in registers (bitonic network: in-thread steps and shuffles, no shared-memory traffic), which
 // is what rows of up to 128K-token contexts need; kap_select_block_kernel gives each list a CTA
-// and sorts in shared memory, for longer contexts.
+// and sorts in shared memory, for longer contexts. Both go through the same helpers before the
+// sort (locate_list, stage_row_max, candidate_key) and after it (kept_positions, finish_list).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "common/query_blocks.cuh"
 #include "kap/kap_traits.h"
 
 namespace cosa::kap {
@@ -46,38 +48,135 @@ inline size_t select_smem_bytes(int max_k_blocks) {
   return n * sizeof(uint64_t);
 }
 
+// One list of the selection pass, (query head head_begin + head_local, packed query block g): where
+// its outputs go and where the scoring pass left its rows.
+struct SelectList {
+  int32_t* order_row = nullptr;       // [max_k_blocks]
+  int32_t* count_out = nullptr;
+  const float* block_max = nullptr;   // bm[r, j] at block_max[r * max_k_blocks + j]
+  uint32_t* row_max = nullptr;        // ordered_bits(rm[r]) at row_max[r]
+  int diagonal = 0;                   // P_b / 128 + i: the candidates are blocks 0 .. diagonal
+  int num_rows = 0;                   // stride rows of the block (fewer in a sequence's last block)
+  bool valid = false;                 // false for padding rows past the batch's query blocks
+};
+
+// Warp-collective (locate_query_block): every lane of the calling warp passes the same list.
+template <int kStride>
+__device__ __forceinline__ SelectList locate_list(const KapDeviceArgs& args, int head_local,
+                                                  int q_block) {
+  constexpr int kRowsPerBlock = kBlockSize / kStride;
+  const PagedLayout& L = args.layout;
+  const int64_t list_index =
+      static_cast<int64_t>(args.head_begin + head_local) * L.num_q_blocks + q_block;
+  const int64_t first_row = static_cast<int64_t>(head_local) * args.block_max_rows +
+                            static_cast<int64_t>(q_block) * kRowsPerBlock;
+  SelectList list;
+  list.order_row = args.order + list_index * L.max_k_blocks;
+  list.count_out = args.counts + list_index;
+  list.block_max = args.block_max + first_row * L.max_k_blocks;
+  list.row_max = args.row_max + first_row;
+  const QueryBlock block = locate_query_block(L, q_block);
+  list.diagonal = block.diagonal;
+  const int rows_before = block.block_in_seq * kRowsPerBlock;  // stride rows of earlier blocks
+  list.num_rows = min(kRowsPerBlock, (block.seqlen_q + kStride - 1) / kStride - rows_before);
+  list.valid = block.valid;
+  return list;
+}
+
+// Threads 0 .. kRowsPerBlock-1 of the list's warp or CTA stage rm of one row each in `row_max`
+// (0 past num_rows, never read) and zero it in the workspace: the next head chunk's scoring pass
+// folds its maxima into a zeroed buffer (the index kernel zeroes it for the first chunk).
+template <int kStride>
+__device__ __forceinline__ void stage_row_max(const SelectList& list, float* row_max, int thread) {
+  if (thread < kBlockSize / kStride) {
+    float value = 0.f;
+    if (thread < list.num_rows) {
+      value = from_ordered_bits(list.row_max[thread]);
+      list.row_max[thread] = 0;
+    }
+    row_max[thread] = value;
+  }
+}
+
+// The sort key of candidate block j: S[j] = sum_r exp(bm[r, j] - rm[r]) and the HRM flag
+// H[j] = any_r bm[r, j] == rm[r], over the list's rows (rm staged in `row_max`).
+template <int kStride>
+__device__ __forceinline__ uint64_t candidate_key(const SelectList& list, const float* row_max,
+                                                  int max_k_blocks, int j) {
+  float score = 0.f;
+  bool hrm = false;
+#pragma unroll
+  for (int r = 0; r < kBlockSize / kStride; ++r) {
+    if (r < list.num_rows) {
+      const float v = list.block_max[static_cast<int64_t>(r) * max_k_blocks + j];
+      score += __expf(v - row_max[r]);
+      hrm |= (v == row_max[r]);
+    }
+  }
+  return select_key(hrm, score, j);
+}
+
+// Which sort positions a list keeps: 0 .. last_kept (the top-p prefix and the HRM prefix), then the
+// forced sink and diagonal blocks where they lie past it, in sort order.
+struct KeptPositions {
+  int last_kept = 0;
+  int extra_first = -1;
+  int extra_second = -1;
+  int count = 0;  // list length
+  // Sort position of list entry k < count.
+  __device__ __forceinline__ int position(int k) const {
+    return k <= last_kept ? k : (k == last_kept + 1 ? extra_first : extra_second);
+  }
+};
+
+// first_reached: the first sort position whose cumulative S reaches top_p * T; sink_pos and
+// diagonal_pos: the sort positions of blocks 0 and `diagonal`.
+__device__ __forceinline__ KeptPositions kept_positions(float top_p, int num_candidates,
+                                                        int first_reached, int hrm_count,
+                                                        int sink_pos, int diagonal_pos) {
+  KeptPositions kept;
+  // top_p >= 1 keeps every candidate, zero scores included (the spec's "p = 1 keeps every
+  // candidate"; the shortest prefix reaching T would stop before trailing zero scores).
+  const int prefix_last =
+      top_p >= 1.f ? num_candidates - 1 : min(first_reached, num_candidates - 1);
+  kept.last_kept = max(prefix_last, hrm_count - 1);
+  const int p0 = min(sink_pos, diagonal_pos), p1 = max(sink_pos, diagonal_pos);
+  if (p0 > kept.last_kept) kept.extra_first = p0;
+  if (p1 > kept.last_kept && p1 != p0) {
+    if (kept.extra_first < 0) kept.extra_first = p1; else kept.extra_second = p1;
+  }
+  kept.count = kept.last_kept + 1 + (kept.extra_first >= 0) + (kept.extra_second >= 0);
+  return kept;
+}
+
+// Ends the list at `count` entries: -1 from position count on, and the count. Called by threads
+// 0 .. num_threads-1 of the list's warp or CTA; a padding row ends at 0.
+__device__ __forceinline__ void finish_list(const SelectList& list, int max_k_blocks, int count,
+                                            int thread, int num_threads) {
+  for (int k = count + thread; k < max_k_blocks; k += num_threads) list.order_row[k] = -1;
+  if (thread == 0) *list.count_out = count;
+}
+
 template <int kStride>
 __global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const KapDeviceArgs args) {
+  // A dependent launch (common/dependent_launch.h) after the scoring kernel, whose bm and rm it
+  // reads; the next kernel (the next chunk's scoring pass, or OSK) may launch once every CTA here
+  // has started, and waits for this grid before reading anything it writes.
+  cudaGridDependencySynchronize();
+  cudaTriggerProgrammaticLaunchCompletion();
   constexpr int kRowsPerBlock = kBlockSize / kStride;
   constexpr int kWarps = kSelectThreads / 32;
-  const PagedLayout& L = args.layout;
-  const int q_block = blockIdx.x;
-  const int head_local = blockIdx.y;
-  const int head = args.head_begin + head_local;
+  const int max_k_blocks = args.layout.max_k_blocks;
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
-  int32_t* order_row =
-      args.order + (static_cast<int64_t>(head) * L.num_q_blocks + q_block) * L.max_k_blocks;
-  int32_t* count_out = args.counts + static_cast<int64_t>(head) * L.num_q_blocks + q_block;
-
-  const int total_blocks = __ldg(args.q_block_start + L.batch);
-  if (q_block >= total_blocks) {  // padding row
-    for (int k = tid; k < L.max_k_blocks; k += kSelectThreads) order_row[k] = -1;
-    if (tid == 0) *count_out = 0;
+  const SelectList list = locate_list<kStride>(args, blockIdx.y, blockIdx.x);
+  if (!list.valid) {  // padding row
+    finish_list(list, max_k_blocks, 0, tid, kSelectThreads);
     return;
   }
-  const int b = find_sequence(args.q_block_start, L.batch, q_block);
-  const int i = q_block - __ldg(args.q_block_start + b);
-  const int q_begin = __ldg(L.cu_seqlens_q + b);
-  const int len_q = __ldg(L.cu_seqlens_q + b + 1) - q_begin;
-  const int len_k = __ldg(L.seqused_k + b);
-  const int diagonal = (len_k - len_q) / kBlockSize + i;
+  const int diagonal = list.diagonal;
   const int num_candidates = diagonal + 1;  // every candidate is allowed for every row
-  const int num_rows = min(kRowsPerBlock, (len_q + kStride - 1) / kStride - i * kRowsPerBlock);
-  const float* bm = args.block_max +
-                    (static_cast<int64_t>(head_local) * args.block_max_rows +
-                     static_cast<int64_t>(q_block) * kRowsPerBlock) * L.max_k_blocks;
 
   extern __shared__ uint64_t keys[];
   __shared__ float row_max[kRowsPerBlock];
@@ -85,13 +184,7 @@ __global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const 
   __shared__ int first_reached, hrm_count, sink_pos, diagonal_pos;
   __shared__ float total_score;
 
-  if (tid < kRowsPerBlock) {
-    row_max[tid] = tid < num_rows
-                       ? from_ordered_bits(args.row_max[static_cast<int64_t>(head_local) *
-                                                            args.block_max_rows +
-                                                        static_cast<int64_t>(q_block) * kRowsPerBlock + tid])
-                       : 0.f;
-  }
+  stage_row_max<kStride>(list, row_max, tid);
   if (tid == 0) {
     first_reached = 0x7FFFFFFF;
     hrm_count = 0;
@@ -107,18 +200,8 @@ __global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const 
   for (int j = tid; j < sort_size; j += kSelectThreads) {
     uint64_t key = 0;
     if (j < num_candidates) {
-      float score = 0.f;
-      bool hrm = false;
-#pragma unroll
-      for (int r = 0; r < kRowsPerBlock; ++r) {
-        if (r < num_rows) {
-          const float v = bm[static_cast<int64_t>(r) * L.max_k_blocks + j];
-          score += __expf(v - row_max[r]);
-          hrm |= (v == row_max[r]);
-        }
-      }
-      local_hrm += hrm;
-      key = select_key(hrm, score, j);
+      key = candidate_key<kStride>(list, row_max, max_k_blocks, j);
+      local_hrm += key_hrm(key);
     }
     keys[j] = key;
   }
@@ -194,33 +277,12 @@ __global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const 
   }
   __syncthreads();
 
-  // Kept: positions 0 .. last_kept (top-p prefix and the HRM prefix), then the forced sink and
-  // diagonal blocks where they lie past it, in sort order.
-  // top_p >= 1 keeps every candidate, zero scores included (the spec's "p = 1 keeps every
-  // candidate"; the shortest prefix reaching T would stop before trailing zero scores).
-  const int prefix_last = args.top_p >= 1.f ? num_candidates - 1 : min(first_reached, num_candidates - 1);
-  const int last_kept = max(prefix_last, hrm_count - 1);
-  int extra_first = -1, extra_second = -1;
-  {
-    const int p0 = min(sink_pos, diagonal_pos), p1 = max(sink_pos, diagonal_pos);
-    if (p0 > last_kept) extra_first = p0;
-    if (p1 > last_kept && p1 != p0) {
-      if (extra_first < 0) extra_first = p1; else extra_second = p1;
-    }
+  const KeptPositions kept =
+      kept_positions(args.top_p, num_candidates, first_reached, hrm_count, sink_pos, diagonal_pos);
+  for (int k = tid; k < kept.count; k += kSelectThreads) {
+    list.order_row[k] = key_block(keys[kept.position(k)]);
   }
-  const int count = last_kept + 1 + (extra_first >= 0) + (extra_second >= 0);
-  for (int k = tid; k < L.max_k_blocks; k += kSelectThreads) {
-    int value = -1;
-    if (k <= last_kept) {
-      value = key_block(keys[k]);
-    } else if (k == last_kept + 1 && extra_first >= 0) {
-      value = key_block(keys[extra_first]);
-    } else if (k == last_kept + 2 && extra_second >= 0) {
-      value = key_block(keys[extra_second]);
-    }
-    order_row[k] = value;
-  }
-  if (tid == 0) *count_out = count;
+  finish_list(list, max_k_blocks, kept.count, tid, kSelectThreads);
 }
 
 // Compare-exchange on 64-bit keys: `first` ends up with the larger key iff `descending`.
@@ -255,14 +317,18 @@ __device__ __forceinline__ void warp_bitonic_sort(uint64_t (&key)[kElems], int l
         __syncwarp();
       }
     }
-    // Steps inside a lane.
+    // Steps inside a lane. Position lane * kElems + e has the bits of e below kElems and those of
+    // lane * kElems above, so its direction bit (the one of `size`) comes from one of the two;
+    // testing them apart keeps ptxas from holding kElems positions in registers through the sort
+    // (it spilled at kElems = 32 under the 168-register bound of three CTAs per SM).
+    const bool lane_descending = ((lane * kElems) & size) == 0;
 #pragma unroll
     for (int half = kElems / 2; half >= 1; half >>= 1) {
       if (half < size) {
 #pragma unroll
         for (int e = 0; e < kElems; ++e) {
           if ((e & half) == 0) {
-            order_pair(key[e], key[e + half], ((lane * kElems + e) & size) == 0);
+            order_pair(key[e], key[e + half], lane_descending && (e & size) == 0);
           }
         }
       }
@@ -271,10 +337,9 @@ __device__ __forceinline__ void warp_bitonic_sort(uint64_t (&key)[kElems], int l
 }
 
 template <int kElems>
-__device__ __forceinline__ void select_list_warp(const KapDeviceArgs& args, const uint64_t* staged,
-                                                 int hrm_local, int num_candidates, int diagonal,
-                                                 int32_t* order_row, int32_t* count_out, int lane) {
-  const int max_k_blocks = args.layout.max_k_blocks;
+__device__ __forceinline__ void select_list_warp(const KapDeviceArgs& args, const SelectList& list,
+                                                 const uint64_t* staged, int hrm_local, int lane) {
+  const int num_candidates = list.diagonal + 1;
   // Any initial placement is fine for the sort; positions past the candidates hold zero keys,
   // which sort last.
   uint64_t key[kElems];
@@ -309,110 +374,70 @@ __device__ __forceinline__ void select_list_warp(const KapDeviceArgs& args, cons
       if (cumulative >= threshold && first_reached == 0x7FFFFFFF) first_reached = pos;
       const int block = key_block(key[e]);
       if (block == 0) sink_pos = pos;
-      if (block == diagonal) diagonal_pos = pos;
+      if (block == list.diagonal) diagonal_pos = pos;
     }
   }
   first_reached = __reduce_min_sync(0xffffffffu, first_reached);
   sink_pos = __reduce_max_sync(0xffffffffu, sink_pos);
   diagonal_pos = __reduce_max_sync(0xffffffffu, diagonal_pos);
 
-  // Kept: positions 0 .. last_kept (top-p prefix and the HRM prefix), then the forced sink and
-  // diagonal blocks where they lie past it, in sort order. top_p >= 1 keeps every candidate,
-  // zero scores included (the shortest prefix reaching T could stop before trailing zeros).
-  const int prefix_last =
-      args.top_p >= 1.f ? num_candidates - 1 : min(first_reached, num_candidates - 1);
-  const int last_kept = max(prefix_last, hrm_count - 1);
-  const int p0 = min(sink_pos, diagonal_pos), p1 = max(sink_pos, diagonal_pos);
-  int extra_first = -1, extra_second = -1;
-  if (p0 > last_kept) extra_first = p0;
-  if (p1 > last_kept && p1 != p0) {
-    if (extra_first < 0) extra_first = p1; else extra_second = p1;
-  }
-  const int count = last_kept + 1 + (extra_first >= 0) + (extra_second >= 0);
+  const KeptPositions kept =
+      kept_positions(args.top_p, num_candidates, first_reached, hrm_count, sink_pos, diagonal_pos);
 #pragma unroll
   for (int e = 0; e < kElems; ++e) {
     const int pos = lane * kElems + e;
-    if (pos <= last_kept) order_row[pos] = key_block(key[e]);
-    if (pos == extra_first) order_row[last_kept + 1] = key_block(key[e]);
-    if (pos == extra_second) order_row[last_kept + 2] = key_block(key[e]);
+    if (pos <= kept.last_kept) list.order_row[pos] = key_block(key[e]);
+    if (pos == kept.extra_first) list.order_row[kept.last_kept + 1] = key_block(key[e]);
+    if (pos == kept.extra_second) list.order_row[kept.last_kept + 2] = key_block(key[e]);
   }
-  for (int k = count + lane; k < max_k_blocks; k += 32) order_row[k] = -1;
-  if (lane == 0) *count_out = count;
+  finish_list(list, args.layout.max_k_blocks, kept.count, lane, 32);
 }
 
 // One warp per (query head, query block); lists of at most kWarpSortMax candidates.
 template <int kStride>
 __global__ void __launch_bounds__(32 * kSelectWarps, 3) kap_select_warp_kernel(const KapDeviceArgs args) {
+  // A dependent launch, as kap_select_block_kernel.
+  cudaGridDependencySynchronize();
+  cudaTriggerProgrammaticLaunchCompletion();
   constexpr int kRowsPerBlock = kBlockSize / kStride;
-  const PagedLayout& L = args.layout;
+  const int max_k_blocks = args.layout.max_k_blocks;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int q_block = blockIdx.x * kSelectWarps + warp;
-  const int head_local = blockIdx.y;
-  const int head = args.head_begin + head_local;
-  if (q_block >= L.num_q_blocks) return;
-  int32_t* order_row =
-      args.order + (static_cast<int64_t>(head) * L.num_q_blocks + q_block) * L.max_k_blocks;
-  int32_t* count_out = args.counts + static_cast<int64_t>(head) * L.num_q_blocks + q_block;
-
-  const int total_blocks = __ldg(args.q_block_start + L.batch);
-  if (q_block >= total_blocks) {  // padding row
-    for (int k = lane; k < L.max_k_blocks; k += 32) order_row[k] = -1;
-    if (lane == 0) *count_out = 0;
+  if (q_block >= args.layout.num_q_blocks) return;
+  const SelectList list = locate_list<kStride>(args, blockIdx.y, q_block);
+  if (!list.valid) {  // padding row
+    finish_list(list, max_k_blocks, 0, lane, 32);
     return;
   }
-  const int b = find_sequence(args.q_block_start, L.batch, q_block);
-  const int i = q_block - __ldg(args.q_block_start + b);
-  const int len_q = __ldg(L.cu_seqlens_q + b + 1) - __ldg(L.cu_seqlens_q + b);
-  const int len_k = __ldg(L.seqused_k + b);
-  const int diagonal = (len_k - len_q) / kBlockSize + i;
-  const int num_candidates = diagonal + 1;  // every candidate is allowed for every row
-  const int num_rows = min(kRowsPerBlock, (len_q + kStride - 1) / kStride - i * kRowsPerBlock);
-  const int64_t first_row = static_cast<int64_t>(q_block) * kRowsPerBlock;
-  const float* bm = args.block_max +
-                    (static_cast<int64_t>(head_local) * args.block_max_rows + first_row) * L.max_k_blocks;
+  const int num_candidates = list.diagonal + 1;  // every candidate is allowed for every row
 
   __shared__ float row_max_all[kSelectWarps][kRowsPerBlock];
   __shared__ uint64_t staged_all[kSelectWarps][kWarpSortMax];
   float* row_max = row_max_all[warp];
   uint64_t* staged = staged_all[warp];
-  if (lane < kRowsPerBlock) {
-    row_max[lane] =
-        lane < num_rows
-            ? from_ordered_bits(args.row_max[static_cast<int64_t>(head_local) * args.block_max_rows +
-                                             first_row + lane])
-            : 0.f;
-  }
+  stage_row_max<kStride>(list, row_max, lane);
   __syncwarp();
   // Scores, flags and sort keys, staged in shared memory (block j read by lane j % 32: coalesced).
   int hrm_local = 0;
   for (int j = lane; j < num_candidates; j += 32) {
-    float score = 0.f;
-    bool hrm = false;
-#pragma unroll
-    for (int r = 0; r < kRowsPerBlock; ++r) {
-      if (r < num_rows) {
-        const float v = bm[static_cast<int64_t>(r) * L.max_k_blocks + j];
-        score += __expf(v - row_max[r]);
-        hrm |= (v == row_max[r]);
-      }
-    }
-    hrm_local += hrm;
-    staged[j] = select_key(hrm, score, j);
+    const uint64_t key = candidate_key<kStride>(list, row_max, max_k_blocks, j);
+    hrm_local += key_hrm(key);
+    staged[j] = key;
   }
   __syncwarp();
   if (num_candidates <= 32) {
-    select_list_warp<1>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+    select_list_warp<1>(args, list, staged, hrm_local, lane);
   } else if (num_candidates <= 64) {
-    select_list_warp<2>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+    select_list_warp<2>(args, list, staged, hrm_local, lane);
   } else if (num_candidates <= 128) {
-    select_list_warp<4>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+    select_list_warp<4>(args, list, staged, hrm_local, lane);
   } else if (num_candidates <= 256) {
-    select_list_warp<8>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+    select_list_warp<8>(args, list, staged, hrm_local, lane);
   } else if (num_candidates <= 512) {
-    select_list_warp<16>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+    select_list_warp<16>(args, list, staged, hrm_local, lane);
   } else {
-    select_list_warp<32>(args, staged, hrm_local, num_candidates, diagonal, order_row, count_out, lane);
+    select_list_warp<32>(args, list, staged, hrm_local, lane);
   }
 }
 

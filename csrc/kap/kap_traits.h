@@ -1,14 +1,17 @@
 // Compile-time shapes of the KAP kernels and the layout of their workspace (spec section 2).
 //
-// KAP runs as a few launches on one stream:
+// KAP runs as a chain of dependent launches on one stream (common/dependent_launch.h: each kernel
+// may start while the one before it finishes, and waits for it before touching global memory):
 //   1. kap_index_kernel: per sequence, the first packed query block and the first scoring tile
-//      (prefix sums over the batch, so that no host synchronisation is needed);
+//      (prefix sums over the batch, so that no host synchronisation is needed); its other CTAs
+//      zero the rm buffer of the first head chunk;
 //   2. kap_score_kernel (kap_score_kernel.cuh): the strided proxy GEMM Qs Ks^T on tensor cores;
 //      its epilogue reduces each stride row's logits to the per-key-block maxima bm[r, j], stores
 //      them in the workspace and folds them into the row maxima rm[r] (one atomic max per row
-//      and CTA, into a buffer zeroed just before);
+//      and CTA, into a zeroed buffer);
 //   3. kap_select_*_kernel (kap_select_kernel.cuh): per (query head, query block), Pbar, S and the
-//      HRM flags in one read of bm, the flag-grouped sort, top-p and the ordered list.
+//      HRM flags in one read of bm, the flag-grouped sort, top-p and the ordered list; each list
+//      zeroes the rm entries it read, which leaves the buffer zeroed for the next head chunk.
 // Steps 2-3 repeat per chunk of query heads so that the bm buffer stays below kMaxBlockMaxBytes
 // (no O(N^2) buffer: bm is O(N^2 / (128 s)) per head, 64 MB per head at 128K tokens and s = 8).
 #pragma once
@@ -60,7 +63,7 @@ struct WorkspaceLayout {
   size_t q_block_start_offset = 0;  // int32 [batch + 1]: first packed query block of sequence b
   size_t tile_start_offset = 0;     // int32 [batch + 1]: first scoring tile of sequence b
   size_t block_max_offset = 0;      // fp32 [heads_per_chunk, rows, max_k_blocks]
-  size_t row_max_offset = 0;        // ordered_bits(rm) [heads_per_chunk, rows], zeroed per chunk
+  size_t row_max_offset = 0;        // ordered_bits(rm) [heads_per_chunk, rows], zero between passes
   int64_t rows = 0;                 // num_q_blocks * (128 / s)
   int heads_per_chunk = 0;
   size_t total_bytes = 0;

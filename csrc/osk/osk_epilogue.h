@@ -1,6 +1,6 @@
-// OSK epilogue: out = O / l (rows past Lq not written), lse = m + ln(l) in natural-log units,
-// skipped[h, g]. A row that saw no live key (l == 0, e.g. a tile with an empty list) gets
-// out = 0 and lse = -inf.
+// OSK epilogue: out = O / l (rows past Lq not written), lse = m + ln(l) in natural-log units, and
+// skipped[h, g] (the two warpgroups' counts of skipped 64-row halves, summed). A row that saw no
+// live key (l == 0, e.g. a tile with an empty list) gets out = 0 and lse = -inf.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -12,34 +12,34 @@ namespace cosa::osk {
 template <class Traits>
 struct OskEpilogue {
   using Element = typename Traits::Element;
-  using RowState = typename OskMainloop<Traits>::RowState;
+  using Storage = OskSharedStorage<Traits>;
 
   template <class FragO>
-  __device__ static void store(const OskKernelParams& kp, const OskTile& t, FragO& tOrO,
-                               RowState& rows, int skipped) {
+  __device__ static void store(const OskKernelParams& kp, const OskTile& t, Storage& storage,
+                               FragO& tOrO, const OnlineSoftmax& softmax, int skipped) {
     const OskParams& args = kp.args;
     const PagedLayout& layout = args.layout;
     const int thread = threadIdx.x - Traits::kNumProducerThreads;
     const int lane = thread % 32;
     const int warp = thread / 32;
 
+    float sum[2];
+    softmax.finalize_sums(sum);
     float inv_sum[2];
     float lse[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      float sum = rows.sum[rh];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const bool empty = !(sum > 0.f);
-      inv_sum[rh] = empty ? 0.f : 1.f / sum;
-      lse[rh] = empty ? -INFINITY : rows.max[rh] * layout.softmax_scale + logf(sum);
+      const bool empty = sum[rh] == 0.f;  // NaN (a NaN logit) must reach lse, not read as empty
+      inv_sum[rh] = empty ? 0.f : 1.f / sum[rh];
+      lse[rh] = empty ? -INFINITY : softmax.max[rh] * layout.softmax_scale + logf(sum[rh]);
     }
 
     Element* out_head = static_cast<Element*>(args.out) +
                         static_cast<int64_t>(t.head) * args.out_head_stride;
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      const int row_in_seq = t.block_in_seq * Traits::kBlockM + warp * 16 + rh * 8 + lane / 4;
+      const int row_in_seq =
+          t.block_in_seq * Traits::kBlockM + AccumulatorLayout::tile_row(warp, lane, rh);
       if (row_in_seq >= t.seqlen_q) { continue; }
       const int token = t.q_start + row_in_seq;
       Element* out_row = out_head + static_cast<int64_t>(token) * args.out_row_stride;
@@ -55,8 +55,12 @@ struct OskEpilogue {
         args.lse[static_cast<int64_t>(t.head) * layout.total_q + token] = lse[rh];
       }
     }
+
+    if (thread % 128 == 0) { storage.skipped[thread / 128] = skipped; }
+    named_barrier_sync(kEpilogueBarrier, Traits::kNumConsumerThreads);
     if (thread == 0) {
-      args.skipped[static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row] = skipped;
+      args.skipped[static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row] =
+          storage.skipped[0] + storage.skipped[1];
     }
   }
 };

@@ -22,14 +22,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& storage = *reinterpret_cast<Storage*>(smem_raw);
 
-  const OskTile tile = OskTileScheduler::get_tile(kp);
-  if (!tile.valid) {  // padding row of order/counts/skipped: only skipped is defined there
-    if (threadIdx.x == 0) {
-      kp.args.skipped[static_cast<int64_t>(tile.head) * kp.args.layout.num_q_blocks + tile.row] = 0;
-    }
-    return;
-  }
-
   if (threadIdx.x == 0) {
     MBarrier::init(&storage.q_full, Traits::kNumProducerThreads);
     for (int s = 0; s < Traits::kStages; ++s) {
@@ -43,6 +35,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     MBarrier::fence_init();
   }
   __syncthreads();
+  // A dependent launch (common/dependent_launch.h): the barrier set-up above overlaps the end of
+  // the kernel before this one (KAP's last select kernel in a prefill); the lists and counts that
+  // KAP writes, and any global memory in the standalone op, are touched only past this wait.
+  cudaGridDependencySynchronize();
+
+  const OskTile tile = OskTileScheduler::get_tile(kp);
+  if (!tile.valid) {  // padding row of order/counts/skipped: only skipped is defined there
+    if (threadIdx.x == 0) {
+      kp.args.skipped[static_cast<int64_t>(tile.head) * kp.args.layout.num_q_blocks + tile.row] = 0;
+    }
+    return;
+  }
 
   if (threadIdx.x / 128 == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
@@ -53,15 +57,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     Tensor tOrO = partition_fragment_C(
         mma_pv, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
     clear(tOrO);
-    typename Mainloop::RowState rows;
-    CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh) {
-      rows.max[rh] = -INFINITY;
-      rows.sum[rh] = 0.f;
-    }
+    OnlineSoftmax softmax;
     int skipped = 0;
-    Mainloop::mma(kp, tile, storage, tOrO, rows, skipped);
-    OskEpilogue<Traits>::store(kp, tile, tOrO, rows, skipped);
+    Mainloop::mma(kp, tile, storage, tOrO, softmax, skipped);
+    OskEpilogue<Traits>::store(kp, tile, storage, tOrO, softmax, skipped);
   }
 }
 

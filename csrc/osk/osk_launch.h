@@ -8,6 +8,7 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
 
+#include "common/dependent_launch.h"
 #include "cosa_params.h"
 #include "osk/osk_kernel.h"
 #include "osk/osk_traits.h"
@@ -89,8 +90,7 @@ cudaError_t run_osk_config(const OskParams& params, cudaStream_t stream) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) { return err; }
-  kernel<<<grid, Traits::kNumThreads, smem_bytes, stream>>>(kp);
-  return cudaGetLastError();
+  return launch_dependent(kernel, grid, dim3(Traits::kNumThreads), smem_bytes, stream, kp);
 }
 
 }  // namespace cosa::osk

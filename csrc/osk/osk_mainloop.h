@@ -7,9 +7,11 @@
 #include <cutlass/arch/mma_sm90.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "osk/osk_softmax.h"
 #include "osk/osk_sync.h"
 #include "osk/osk_tile_scheduler.h"
 #include "osk/osk_traits.h"
+#include "osk/osk_vote.h"
 
 namespace cosa::osk {
 
@@ -27,10 +29,12 @@ struct OskSharedStorage {
   uint64_t k_empty[Traits::kStages];
   uint64_t v_full[Traits::kStages];
   uint64_t v_empty[Traits::kStages];
-  // Tile vote: one byte per consumer warp, double-buffered by list position parity so that a
+  // Skip votes: one byte per consumer warp, double-buffered by list position parity so that a
   // warp voting on block k+1 never overwrites a slot still being read for block k (a barrier
   // separates consecutive votes).
   alignas(8) uint8_t vote[2][8];
+  // Each consumer warpgroup's count of skipped blocks, summed by the epilogue.
+  int skipped[2];
 };
 
 // Issues one warpgroup-wide MMA over the whole K extent, C (+)= A B, as one commit group, and
@@ -68,9 +72,6 @@ struct OskMainloop {
   static constexpr uint32_t kTileBytes = uint32_t(Traits::kTileElems * sizeof(Element));
   // Accumulator registers of one thread for a 64 x 128 slice of S: 2 rows x 32 columns.
   static constexpr int kScoresPerThread = kBlockN / 2;
-  // Independent accumulators per row for the row max and the row sum.
-  static constexpr int kChains = 4;
-  static_assert(kChains == 4, "mma() combines exactly four partial maxima and sums per row");
 
   // ---------------------------------------------------------------- producer (warpgroup 0)
 
@@ -121,13 +122,14 @@ struct OskMainloop {
   };
 
   // Loads key block `block` of one cache into stage buffer `stage` and arrives on `full`, which
-  // expects one arrival per producer warp. Whole blocks travel by TMA (warp 0: one box per page
-  // and 64-column half); the block holding Lk is gathered with cp.async by all producer threads,
-  // zero-filling the keys past Lk (the rest of that page may hold anything, NaN included, and
-  // P = 0 times NaN would still poison P V).
+  // expects one arrival per producer warp; `page` is lane_page() of the block. Whole blocks travel
+  // by TMA (warp 0: one box per page and 64-column half); the block holding Lk is gathered with
+  // cp.async by all producer threads, zero-filling the keys past Lk (the rest of that page may
+  // hold anything, NaN included, and P = 0 times NaN would still poison P V).
   __device__ static void load_kv_block(const OskKernelParams& kp, const OskTile& t,
-                                       const KVSource& src, int stage, int block, uint64_t* full,
-                                       int thread, uint32_t thread_smem_offset, int row0) {
+                                       const KVSource& src, int stage, int block, int page,
+                                       uint64_t* full, int thread, uint32_t thread_smem_offset,
+                                       int row0) {
     const int lane = thread % 32;
     const int warp = thread / 32;
     const uint32_t smem_tile = src.smem + stage * kTileBytes;
@@ -136,7 +138,6 @@ struct OskMainloop {
       if (warp == 0) {
         constexpr int kHalves = Traits::kHeadDim / 64;
         constexpr uint32_t kHalfBytes = kBlockN * 64 * sizeof(Element);
-        const int page = lane_page(kp, t, block, lane);
         const int pages = kp.log2_page_size >= 7 ? 1 : (kBlockN >> kp.log2_page_size);
         const int box_rows = kBlockN / pages;
         const int row_in_page =
@@ -154,7 +155,6 @@ struct OskMainloop {
         MBarrier::arrive(full);
       }
     } else {
-      const int page = lane_page(kp, t, block, lane);
       gather_kv_block(kp, t, smem_tile + thread_smem_offset, src.src_head, src.page_stride,
                       src.row_stride, block, page, row0);
       MBarrier::hold_for_cp_async(full);
@@ -202,44 +202,52 @@ struct OskMainloop {
         args.order + (static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row) *
                          layout.max_k_blocks;
 
-    auto load_v = [&](int k, int block) {
+    auto load_v = [&](int k, int block, int page) {
       const int stage = k % kStages;
       MBarrier::wait(&storage.v_empty[stage], ((k / kStages) & 1) ^ 1);
-      load_kv_block(kp, t, v_src, stage, block, &storage.v_full[stage], thread,
+      load_kv_block(kp, t, v_src, stage, block, page, &storage.v_full[stage], thread,
                     thread_smem_offset, row0);
     };
 
-    // K of list entry k goes out before V of entry k-1 (the consumers need S before P V).
-    int list_window = 0;
+    // K of list entry k goes out before V of entry k-1 (the consumers need S before P V). The list
+    // is read 32 entries per warp load, and the pages of entry k+1 are looked up in the page table
+    // while entry k's copies go out, so that no copy waits on a page-table read; K and V of a
+    // block share its pages.
+    int list_window = list[lane < t.count ? lane : 0];
+    int block = __shfl_sync(0xffffffffu, list_window, 0);
+    int page = lane_page(kp, t, block, lane);
     int prev_block = 0;
+    int prev_page = 0;
     for (int k = 0; k < t.count; ++k) {
-      if ((k & 31) == 0) {  // read the list ahead, 32 entries per warp load
-        list_window = k + lane < t.count ? list[k + lane] : 0;
-      }
-      const int block = __shfl_sync(0xffffffffu, list_window, k & 31);
       const int stage = k % kStages;
       MBarrier::wait(&storage.k_empty[stage], ((k / kStages) & 1) ^ 1);
-      load_kv_block(kp, t, k_src, stage, block, &storage.k_full[stage], thread,
+      load_kv_block(kp, t, k_src, stage, block, page, &storage.k_full[stage], thread,
                     thread_smem_offset, row0);
-      if (k > 0) { load_v(k - 1, prev_block); }
+      const int next = k + 1;
+      if ((next & 31) == 0 && next < t.count) {
+        list_window = next + lane < t.count ? list[next + lane] : 0;
+      }
+      const int next_block = next < t.count ? __shfl_sync(0xffffffffu, list_window, next & 31) : -1;
+      const int next_page = lane_page(kp, t, next_block, lane);
+      if (k > 0) { load_v(k - 1, prev_block, prev_page); }
       prev_block = block;
+      prev_page = page;
+      block = next_block;
+      page = next_page;
     }
-    load_v(t.count - 1, prev_block);
+    load_v(t.count - 1, prev_block, prev_page);
     // Stay resident until this thread's copies have landed.
     cp_async_wait_all();
   }
 
   // ---------------------------------------------------------------- consumers (warpgroups 1, 2)
 
-  // Per-thread online-softmax state for the thread's two rows (raw-logit units, unscaled).
-  struct RowState {
-    float max[2];
-    float sum[2];  // partial: this thread's columns only, reduced across the quad at the end
-  };
-
+  // The tile's list in order: S = Q K^T, mask, row max, vote, online softmax, O += P V. Leaves O
+  // unnormalised in tOrO, the row state in `softmax` and this warpgroup's count of skipped blocks
+  // in `skipped`.
   template <class FragO>
   __device__ static void mma(const OskKernelParams& kp, const OskTile& t, Storage& storage,
-                             FragO& tOrO, RowState& rows, int& skipped) {
+                             FragO& tOrO, OnlineSoftmax& softmax, int& skipped) {
     using TiledMmaQK = typename Traits::TiledMmaQK;
     using TiledMmaPV = typename Traits::TiledMmaPV;
     const OskParams& args = kp.args;
@@ -247,6 +255,7 @@ struct OskMainloop {
     const int thread = threadIdx.x - Traits::kNumProducerThreads;  // 0..255
     const int lane = thread % 32;
     const int warp = thread / 32;  // 0..7 over both consumer warpgroups
+    const int warpgroup = warp / 4;
 
     TiledMmaQK mma_qk;
     TiledMmaPV mma_pv;
@@ -265,18 +274,16 @@ struct OskMainloop {
     using LayoutP = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>;
     Tensor tOrP = make_tensor<Element>(LayoutP{});
 
-    // Accumulator element v of this thread sits at row (rh = (v >> 1) & 1), column
-    // 8 * (v >> 2) + 2 * (lane % 4) + (v & 1) of the warpgroup's 64 x 128 slice.
-    int row_in_tile[2];
+    TileMask mask;
+    mask.seqlen_k = t.seqlen_k;
+    mask.diagonal = t.diagonal;
     bool row_live[2];
-    int query_pos[2];  // key coordinate of the row's query: P_b + i * 128 + row
-    const int prefix = t.seqlen_k - t.seqlen_q;
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      row_in_tile[rh] = warp * 16 + rh * 8 + lane / 4;
-      const int row_in_seq = t.block_in_seq * Traits::kBlockM + row_in_tile[rh];
+      const int row_in_seq =
+          t.block_in_seq * Traits::kBlockM + AccumulatorLayout::tile_row(warp, lane, rh);
       row_live[rh] = row_in_seq < t.seqlen_q;
-      query_pos[rh] = prefix + row_in_seq;
+      mask.query_pos[rh] = t.seqlen_k - t.seqlen_q + row_in_seq;
     }
 
     // tau = ln(delta / N) in scaled-logit units; compared here on raw logits. delta <= 0 or
@@ -284,11 +291,13 @@ struct OskMainloop {
     const bool skip_enabled = args.delta > 0.f && args.delta < float(t.seqlen_k);
     const float tau_raw =
         skip_enabled ? logf(args.delta / float(t.seqlen_k)) / layout.softmax_scale : 0.f;
-    const float scale_log2 = kp.scale_log2;
+    const SkipVote vote(args.vote, warpgroup);
+    const GemmTurns turns(warpgroup);
 
     const int32_t* list = args.order + (static_cast<int64_t>(t.head) * layout.num_q_blocks +
                                         t.row) * layout.max_k_blocks;
     if (t.count == 0) { return; }  // nothing was loaded; the epilogue writes zeros and -inf
+    turns.start();
     MBarrier::wait(&storage.q_full, 0);
 
     // Intra-warpgroup overlap (as FlashAttention-3): the P V product of the last computed block
@@ -318,111 +327,54 @@ struct OskMainloop {
       const uint32_t parity = (k / kStages) & 1;
 
       MBarrier::wait(&storage.k_full[stage], parity);
-      if constexpr (kPvPending) { MBarrier::wait(&storage.v_full[pv_stage], pv_parity); }
+      turns.wait_mine();
       warpgroup_gemm_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
       if constexpr (kPvPending) {
+        MBarrier::wait(&storage.v_full[pv_stage], pv_parity);
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, pv_stage), tOrO);
+        turns.pass();
         warpgroup_wait<1>();  // S is ready; the P V product may still run
       } else {
+        turns.pass();
         warpgroup_wait<0>();
       }
       warpgroup_fence_operand(tSrS);
       __syncwarp();
       if (lane == 0) { MBarrier::arrive(&storage.k_empty[stage]); }
 
-      // Causal mask (only the diagonal block and blocks past it reach above a row's query) and
-      // keys past Lk (only the last key block). Rows past Lq are left as they are: they never vote
-      // and are never stored.
-      if (block >= t.diagonal || (block + 1) * kBlockN > t.seqlen_k) {
-        const int key_limit = t.seqlen_k - 1 - block * kBlockN;  // last live key, block-relative
-        CUTE_UNROLL
-        for (int v = 0; v < kScoresPerThread; ++v) {
-          const int rh = (v >> 1) & 1;
-          const int col = 8 * (v >> 2) + 2 * (lane % 4) + (v & 1);
-          const int causal_limit = query_pos[rh] - block * kBlockN;
-          if (col > causal_limit || col > key_limit) { tSrS(v) = -INFINITY; }
-        }
-      }
-
-      // Row maxima over kChains partial maxima per row: a 32-long chain of dependent max
-      // instructions per row would sit on the critical path between S and the exponentials.
-      float partial_max[2][kChains];
-      CUTE_UNROLL
-      for (int rh = 0; rh < 2; ++rh) {
-        CUTE_UNROLL
-        for (int c = 0; c < kChains; ++c) { partial_max[rh][c] = -INFINITY; }
-      }
-      CUTE_UNROLL
-      for (int v = 0; v < kScoresPerThread; ++v) {
-        const int rh = (v >> 1) & 1;
-        const int c = (v >> 2) % kChains;
-        partial_max[rh][c] = fmaxf(partial_max[rh][c], tSrS(v));
-      }
+      // Rows past Lq are not masked: they never vote and are never stored.
+      if (mask.needed(block, kBlockN)) { mask.apply(tSrS, block, kBlockN, lane); }
       float block_max[2];
       float new_max[2];
+      OnlineSoftmax::block_max(tSrS, block_max);
       CUTE_UNROLL
-      for (int rh = 0; rh < 2; ++rh) {
-        block_max[rh] = fmaxf(fmaxf(partial_max[rh][0], partial_max[rh][1]),
-                              fmaxf(partial_max[rh][2], partial_max[rh][3]));
-        block_max[rh] = fmaxf(block_max[rh], __shfl_xor_sync(0xffffffffu, block_max[rh], 1));
-        block_max[rh] = fmaxf(block_max[rh], __shfl_xor_sync(0xffffffffu, block_max[rh], 2));
-        new_max[rh] = fmaxf(rows.max[rh], block_max[rh]);
-      }
+      for (int rh = 0; rh < 2; ++rh) { new_max[rh] = fmaxf(softmax.max[rh], block_max[rh]); }
 
-      // The tile vote: skip iff every live row of both warpgroups says m_loc - m_new < tau.
-      bool skip = false;
+      // The vote: skip iff every live row of the voters says m_loc - m_new < tau.
       if (skip_enabled && k > 0) {
         bool rows_skip = true;
         CUTE_UNROLL
         for (int rh = 0; rh < 2; ++rh) {
-          const bool row_skip = !row_live[rh] || block_max[rh] == -INFINITY ||
-                                block_max[rh] - new_max[rh] < tau_raw;
-          rows_skip = rows_skip && row_skip;
+          rows_skip = rows_skip && (!row_live[rh] || block_max[rh] == -INFINITY ||
+                                    block_max[rh] - new_max[rh] < tau_raw);
         }
-        const bool warp_skip = __all_sync(0xffffffffu, rows_skip);
-        if (lane == 0) { storage.vote[k & 1][warp] = warp_skip ? 1 : 0; }
-        named_barrier_sync(NamedBarrierId::kTileVote, Traits::kNumConsumerThreads);
-        const uint64_t votes = *reinterpret_cast<volatile uint64_t*>(storage.vote[k & 1]);
-        skip = votes == 0x0101010101010101ull;
-      }
-
-      if (skip) {
-        // No exp, no row sum, no rescale, no P V; the V stage is still waited for and released
-        // so that the pipeline's phases stay in step with the producer.
-        ++skipped;
-        if constexpr (kPvPending) { finish_pv(); }
-        MBarrier::wait(&storage.v_full[stage], parity);
-        __syncwarp();
-        if (lane == 0) { MBarrier::arrive(&storage.v_empty[stage]); }
-        return false;
+        if (vote.decide(storage.vote[k & 1], warp, lane, rows_skip)) {
+          // No exp, no row sum, no rescale, no P V; the V stage is still waited for and released
+          // so that the pipeline's phases stay in step with the producer.
+          ++skipped;
+          if constexpr (kPvPending) { finish_pv(); }
+          MBarrier::wait(&storage.v_full[stage], parity);
+          __syncwarp();
+          if (lane == 0) { MBarrier::arrive(&storage.v_empty[stage]); }
+          return false;
+        }
       }
 
       float rescale[2];
-      float max_scaled[2];
-      CUTE_UNROLL
-      for (int rh = 0; rh < 2; ++rh) {
-        // A row with no live key so far keeps max -inf: exponentiate against 0 instead.
-        max_scaled[rh] = new_max[rh] == -INFINITY ? 0.f : new_max[rh] * scale_log2;
-        rescale[rh] = exp2f(rows.max[rh] * scale_log2 - max_scaled[rh]);
-        rows.max[rh] = new_max[rh];
-      }
-      float partial_sum[2][kChains] = {};
-      CUTE_UNROLL
-      for (int v = 0; v < kScoresPerThread; ++v) {
-        const int rh = (v >> 1) & 1;
-        const float p = exp2f(tSrS(v) * scale_log2 - max_scaled[rh]);
-        tSrS(v) = p;
-        partial_sum[rh][(v >> 2) % kChains] += p;
-      }
-      CUTE_UNROLL
-      for (int rh = 0; rh < 2; ++rh) {
-        rows.sum[rh] = rows.sum[rh] * rescale[rh] + ((partial_sum[rh][0] + partial_sum[rh][1]) +
-                                                     (partial_sum[rh][2] + partial_sum[rh][3]));
-      }
+      softmax.update(tSrS, new_max, kp.scale_log2, rescale);
       // O and P are free once the previous P V product is done.
       if constexpr (kPvPending) { finish_pv(); }
-      CUTE_UNROLL
-      for (int v = 0; v < size(tOrO); ++v) { tOrO(v) *= rescale[(v >> 1) & 1]; }
+      OnlineSoftmax::rescale_o(tOrO, rescale);
       {
         using Converter = cutlass::NumericArrayConverter<Element, float, kScoresPerThread>;
         auto const& src =

@@ -1,17 +1,14 @@
-// The few synchronisation and copy primitives the OSK kernel uses, as thin PTX wrappers:
-// CTA-local mbarriers (the K/V stage pipeline), named barriers (the tile vote), TMA box loads
-// (whole K/V blocks) and 16-byte cp.async with zero fill (Q and partial K/V blocks).
+// The synchronisation and copy primitives of the OSK kernel, as thin PTX wrappers: CTA-local
+// mbarriers (the K/V stage pipeline), named barriers (between the consumer warpgroups) and TMA box
+// loads (whole K/V blocks) here; smem_addr and the 16-byte cp.async with zero fill (Q and partial
+// K/V blocks) come from common/async_copy.cuh, which KAP's scoring kernel shares.
 #pragma once
 
 #include <cstdint>
 
-#include <cute/arch/util.hpp>  // cute::cast_smem_ptr_to_uint
+#include "common/async_copy.cuh"
 
 namespace cosa::osk {
-
-__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
-  return cute::cast_smem_ptr_to_uint(ptr);
-}
 
 struct MBarrier {
   __device__ __forceinline__ static void init(uint64_t* bar, int arrivals) {
@@ -59,18 +56,21 @@ struct MBarrier {
 };
 
 // Named barrier ids 0..7 are used by __syncthreads and reserved by CUTLASS; ours start at 8.
-enum class NamedBarrierId : uint32_t { kTileVote = 8 };
+// Ids that come in pairs are indexed by consumer warpgroup (id + 0 or id + 1).
+enum NamedBarrierId : uint32_t {
+  kTileVoteBarrier = 8,        // both consumer warpgroups: the tile-wide vote
+  kWarpgroupVoteBarrier = 9,   // 9, 10: one consumer warpgroup's own vote
+  kSchedulerBarrier = 11,      // 11, 12: whose turn it is to issue its GEMMs (ping-pong)
+  kEpilogueBarrier = 13,       // both consumer warpgroups: the skip counts are combined
+};
 
-__device__ __forceinline__ void named_barrier_sync(NamedBarrierId id, uint32_t num_threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(num_threads) : "memory");
 }
 
-// 16-byte global -> shared copy that writes zeros instead when `valid` is false (src-size 0:
-// nothing is read, so `src` only has to be some address of the same allocation).
-__device__ __forceinline__ void cp_async_16_zfill(uint32_t dst_smem, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_smem), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
+// Counts this warp's arrival at barrier `id` without waiting for it to complete.
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t num_threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(num_threads) : "memory");
 }
 
 // TMA: one box of a 4-D tensor map (coordinates innermost first) into shared memory, completing
@@ -83,10 +83,6 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst_smem, const void* tenso
       "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
       "r"(smem_addr(bar))
       : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 }  // namespace cosa::osk

@@ -7,6 +7,7 @@
 #include <cuda.h>  // CUtensorMap (a plain 128-byte struct; no driver calls here)
 #include <cuda_runtime.h>
 
+#include "common/query_blocks.cuh"
 #include "cosa_params.h"
 
 namespace cosa::osk {
@@ -56,25 +57,18 @@ struct OskTileScheduler {
     t.head = linear % layout.num_heads_q;
     t.row = layout.num_q_blocks - 1 - linear / layout.num_heads_q;
     t.head_kv = t.head / kp.heads_per_kv;
-    // Batches are small: a linear walk over cu_seqlens_q finds the sequence of block g.
-    int first_block = 0;
-    for (int b = 0; b < layout.batch; ++b) {
-      const int q_begin = layout.cu_seqlens_q[b];
-      const int seqlen_q = layout.cu_seqlens_q[b + 1] - q_begin;
-      const int num_blocks = (seqlen_q + kBlockSize - 1) / kBlockSize;
-      if (t.row < first_block + num_blocks) {
-        t.batch = b;
-        t.block_in_seq = t.row - first_block;
-        t.q_start = q_begin;
-        t.seqlen_q = seqlen_q;
-        t.seqlen_k = layout.seqused_k[b];
-        t.diagonal = (t.seqlen_k - seqlen_q) / kBlockSize + t.block_in_seq;
-        t.count = kp.args.counts[static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row];
-        t.valid = true;
-        return t;
-      }
-      first_block += num_blocks;
-    }
+    // Every thread of the CTA calls this with the same tile, so each warp locates it together.
+    const QueryBlock block = locate_query_block(layout, t.row);
+    if (!block.valid) return t;
+    t.batch = block.batch;
+    t.block_in_seq = block.block_in_seq;
+    t.q_start = block.q_start;
+    t.seqlen_q = block.seqlen_q;
+    t.seqlen_k = block.seqlen_k;
+    t.diagonal = block.diagonal;
+    // KAP's output when OSK follows it: read only past the kernel's grid-dependency wait.
+    t.count = kp.args.counts[static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row];
+    t.valid = true;
     return t;
   }
 };

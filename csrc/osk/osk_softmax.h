@@ -1,0 +1,124 @@
+// The consumer's per-row arithmetic on one 64 x 128 slice of S = Q K^T held in wgmma accumulator
+// registers: where each register sits, the causal / key-length mask, the row maxima, and the
+// online softmax (exp2 against the running max, row sums, the rescale of O).
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+namespace cosa::osk {
+
+// Accumulator register v of a thread holds row (v >> 1) & 1 of the thread's two rows (8 apart)
+// and column 8 * (v >> 2) + 2 * (lane % 4) + (v & 1) of the warpgroup's slice. The same order
+// holds for O (columns are head-dim entries there).
+struct AccumulatorLayout {
+  __device__ static constexpr int row_half(int v) { return (v >> 1) & 1; }
+  __device__ static int column(int v, int lane) { return 8 * (v >> 2) + 2 * (lane % 4) + (v & 1); }
+  // Row of the 128-row tile held by row_half `rh` of a thread (warp 0..7 over both warpgroups).
+  __device__ static int tile_row(int warp, int lane, int rh) { return warp * 16 + rh * 8 + lane / 4; }
+};
+
+// Masks a block of S: keys after a row's query (causal, bottom-right aligned) and keys at or past
+// Lk. Only the diagonal block, blocks past it and the block holding Lk need it.
+struct TileMask {
+  int query_pos[2];  // key coordinate of each row's query: P_b + i * 128 + row
+  int seqlen_k;
+  int diagonal;
+
+  __device__ bool needed(int block, int block_size) const {
+    return block >= diagonal || (block + 1) * block_size > seqlen_k;
+  }
+
+  template <class FragS>
+  __device__ void apply(FragS& tSrS, int block, int block_size, int lane) const {
+    const int key_limit = seqlen_k - 1 - block * block_size;  // last live key, block-relative
+    CUTE_UNROLL
+    for (int v = 0; v < cute::size(tSrS); ++v) {
+      const int col = AccumulatorLayout::column(v, lane);
+      const int causal_limit = query_pos[AccumulatorLayout::row_half(v)] - block * block_size;
+      if (col > causal_limit || col > key_limit) { tSrS(v) = -INFINITY; }
+    }
+  }
+};
+
+// Online softmax state of a thread's two rows, in raw-logit units (scaled by softmax_scale *
+// log2(e) only inside the exponent). Sums are partial (this thread's columns) until finalised.
+struct OnlineSoftmax {
+  // Independent accumulators per row for the row max and the row sum: a 32-long chain of
+  // dependent instructions per row would sit on the critical path between S and P V.
+  static constexpr int kChains = 4;
+  static_assert(kChains == 4, "block_max() and update() combine exactly four partials per row");
+
+  float max[2] = {-INFINITY, -INFINITY};
+  float sum[2] = {0.f, 0.f};
+
+  // Each row's maximum over this block (-inf where every key is masked), reduced over the quad of
+  // threads that share the row.
+  template <class FragS>
+  __device__ static void block_max(const FragS& tSrS, float (&out)[2]) {
+    float partial[2][kChains];
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      CUTE_UNROLL
+      for (int c = 0; c < kChains; ++c) { partial[rh][c] = -INFINITY; }
+    }
+    CUTE_UNROLL
+    for (int v = 0; v < cute::size(tSrS); ++v) {
+      const int rh = AccumulatorLayout::row_half(v);
+      partial[rh][(v >> 2) % kChains] = fmaxf(partial[rh][(v >> 2) % kChains], tSrS(v));
+    }
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      float m = fmaxf(fmaxf(partial[rh][0], partial[rh][1]), fmaxf(partial[rh][2], partial[rh][3]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      out[rh] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    }
+  }
+
+  // Takes the block in: S becomes P = exp(sigma (S - m_new)) in place, the running max and sums
+  // advance, and `rescale` receives exp(sigma (m_old - m_new)), the factor O must be multiplied by.
+  template <class FragS>
+  __device__ void update(FragS& tSrS, const float (&new_max)[2], float scale_log2,
+                         float (&rescale)[2]) {
+    float max_scaled[2];
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      // A row with no live key so far keeps max -inf: exponentiate against 0 instead.
+      max_scaled[rh] = new_max[rh] == -INFINITY ? 0.f : new_max[rh] * scale_log2;
+      rescale[rh] = exp2f(max[rh] * scale_log2 - max_scaled[rh]);
+      max[rh] = new_max[rh];
+    }
+    float partial[2][kChains] = {};
+    CUTE_UNROLL
+    for (int v = 0; v < cute::size(tSrS); ++v) {
+      const int rh = AccumulatorLayout::row_half(v);
+      const float p = exp2f(tSrS(v) * scale_log2 - max_scaled[rh]);
+      tSrS(v) = p;
+      partial[rh][(v >> 2) % kChains] += p;
+    }
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      sum[rh] = sum[rh] * rescale[rh] + ((partial[rh][0] + partial[rh][1]) +
+                                         (partial[rh][2] + partial[rh][3]));
+    }
+  }
+
+  template <class FragO>
+  __device__ static void rescale_o(FragO& tOrO, const float (&rescale)[2]) {
+    CUTE_UNROLL
+    for (int v = 0; v < cute::size(tOrO); ++v) { tOrO(v) *= rescale[AccumulatorLayout::row_half(v)]; }
+  }
+
+  // The full row sums (reduced over the quad), for the epilogue.
+  __device__ void finalize_sums(float (&out)[2]) const {
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      float s = sum[rh];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      out[rh] = s + __shfl_xor_sync(0xffffffffu, s, 2);
+    }
+  }
+};
+
+}  // namespace cosa::osk
