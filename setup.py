@@ -2,8 +2,9 @@
 
 A CUDA build (the sm_90a kernels plus the CUDA implementations of the ops) is made when torch is
 a CUDA build, nvcc is found and TORCH_CUDA_ARCH_LIST names 9.0 / 9.0a (or, when that variable is
-unset, a visible GPU is a Hopper). Otherwise the extension only declares the op schemas and the
-package's Python reference serves them on the CPU. COSA_FORCE_CPU=1 forces the CPU-only build.
+unset, a visible GPU is a Hopper). Otherwise the extension declares the op schemas and the
+argument checks, and the package's Python reference serves the ops on the CPU. COSA_FORCE_CPU=1
+forces the CPU-only build.
 Build with: TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -22,8 +24,8 @@ from setuptools import find_packages, setup
 
 def locate_cuda_home() -> None:
     """torch takes the folder above the `nvcc` found on PATH as CUDA_HOME; when that nvcc is a
-    wrapper script (this project's build machines have /usr/local/bin/nvcc), that folder holds no
-    CUDA headers. Point CUDA_HOME at the standard toolkit folder then, before torch reads it."""
+    wrapper script (as /usr/local/bin/nvcc is on some machines), that folder holds no CUDA
+    headers. Point CUDA_HOME at the standard toolkit folder then, before torch reads it."""
     if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
         return
     nvcc = shutil.which("nvcc")
@@ -126,14 +128,24 @@ def pip_cuda_includes() -> list[str]:
     return folders
 
 
+def default_macros() -> list[str]:
+    """The tuning defaults of cosa/defaults.py (their one source) as the -D flags that spell them in
+    the op schemas of csrc/torch_binding.cpp: a string bare (the binding quotes it), a number as
+    Python writes it, None as None. The file is run on its own: the package cannot be imported yet."""
+    table = runpy.run_path(str(ROOT / "cosa" / "defaults.py"))["SCHEMA_DEFAULTS"]
+    return [f"-DCOSA_DEFAULT_{name}={value if isinstance(value, str) else repr(value)}"
+            for name, value in table.items()]
+
+
 def extension():
     use_cuda, reason = choose_cuda()
     include_dirs = [str(ROOT / d) for d in MANIFEST["include_dirs"]]
     sources = [repo_path(s) for s in MANIFEST["binding_sources"]]
-    cxx_flags = list(MANIFEST["cxx_flags"])
+    cxx_flags = list(MANIFEST["cxx_flags"]) + default_macros()
     jobs = os.environ.get("MAX_JOBS", "ninja's default")
     if not use_cuda:
-        log(f"building the CPU-only extension (op schemas only; the CPU kernels are the Python reference): {reason}")
+        log(f"building the CPU-only extension (op schemas and argument checks; the CPU kernels are the Python "
+            f"reference): {reason}")
         return CppExtension("cosa._C", sources, include_dirs=include_dirs,
                             extra_compile_args={"cxx": cxx_flags}, py_limited_api=True)
     kernels = kernel_sources()
@@ -157,6 +169,7 @@ setup(
     version=MANIFEST["version"],
     description="Training-free block-sparse attention prefill (KAP + OSK) for NVIDIA Hopper",
     packages=find_packages(include=["cosa", "cosa.*"]),
+    license="BSD-3-Clause",
     python_requires=">=3.10",
     install_requires=["torch"],
     ext_modules=[extension()],

@@ -1,15 +1,19 @@
 """The Python API: thin wrappers over ``torch.ops.cosa`` with keyword tuning arguments, optional
-``max_seqlen_*`` (computed from the lengths when omitted, which reads them on the host), and the
-contiguous ``[B, S, H, d]`` convenience entry point."""
+``max_seqlen_*`` (derived from the lengths when omitted, which reads them on the host), and the
+contiguous ``[B, S, H, d]`` convenience entry point.
+
+Each wrapper first checks the Python types of its arguments (cosa.validation: a TypeError naming
+the argument, before the op schema coerces or refuses them), then, when it must derive a max
+length, runs the ops' argument contract (``torch.ops.cosa.check_args``) before reading any index
+tensor, then calls the op, which runs the contract itself."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-from . import _C_AVAILABLE, reference
+from . import _C_AVAILABLE, defaults, reference, validation
 from .reference import BLOCK, cdiv
 
 
@@ -21,85 +25,105 @@ def _ops():
     return torch.ops.cosa
 
 
-DEVICE_CHECKS_ENV = "COSA_DEVICE_CHECKS"
-
-
 def device_checks_enabled() -> bool:
-    """Whether the CUDA ops check the contents of their index tensors (see ``set_device_checks``)."""
-    return os.environ.get(DEVICE_CHECKS_ENV) != "0"
+    """Whether this thread's CUDA op calls check the contents of their index tensors (see
+    ``set_device_checks``)."""
+    return _ops().device_checks_enabled()
 
 
 @contextlib.contextmanager
-def _restore_device_checks(previous: str | None):
+def _restore_device_checks(previous: bool):
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(DEVICE_CHECKS_ENV, None)
-        else:
-            os.environ[DEVICE_CHECKS_ENV] = previous
+        _ops().set_device_checks(previous)
 
 
 def set_device_checks(enabled: bool):
-    """Turn the CUDA ops' checks of index-tensor contents on or off (on by default).
+    """Turn the CUDA ops' checks of index-tensor contents on or off for the calling thread.
 
-    With them on, every eager CUDA call checks ``cu_seqlens_q``, ``seqused_k``, ``page_table`` and
-    (for ``osk``) ``order``/``counts`` against the layout contract with two small kernels and one
-    host synchronisation, so that bad contents raise a clear error instead of reading out of bounds.
-    Turn them off where those tensors are right by construction and the synchronisation matters
-    (short prompts: about 20-30 us per call); contents that break the contract are then undefined
-    behaviour. They are always off while a CUDA graph is being captured; shape, dtype and device
-    checks always run. Sets ``COSA_DEVICE_CHECKS`` (``0`` = off) in this process's environment, which
-    the extension reads on every call: the setting is process-wide, so set it at start-up (or in
-    the environment) rather than flipping it while other threads run cosa ops. The returned context
-    manager restores the previous setting::
+    With them on (the default), every eager CUDA call checks ``cu_seqlens_q``, ``seqused_k``,
+    ``page_table`` and (for ``osk``) ``order``/``counts`` against the layout contract with two small
+    kernels and one host synchronisation, so that bad contents raise a clear error instead of
+    reading out of bounds. Turn them off where those tensors are right by construction and the
+    synchronisation matters (short prompts: about 20-30 us per call); contents that break the
+    contract are then undefined behaviour. They are always off while a CUDA graph is being captured;
+    shape, dtype and device checks always run, and so do the content checks of CPU tensors (they
+    cost no synchronisation there).
+
+    The setting belongs to the calling thread, so that library code can turn the checks off around
+    its own calls without touching other threads' calls; a new thread starts from the process-wide
+    default, on unless ``COSA_DEVICE_CHECKS=0`` was in the environment when cosa was imported.
+    The returned context manager restores this thread's previous setting::
 
         with cosa.set_device_checks(False):
             out, lse, skipped = cosa.prefill(...)
     """
-    previous = os.environ.get(DEVICE_CHECKS_ENV)
-    if enabled:
-        os.environ.pop(DEVICE_CHECKS_ENV, None)
-    else:
-        os.environ[DEVICE_CHECKS_ENV] = "0"
-    return _restore_device_checks(previous)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"cosa.set_device_checks: enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+    return _restore_device_checks(_ops().set_device_checks(enabled))
 
 
-def _max_lengths(cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k):
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if max_seqlen_k is None:
-        max_seqlen_k = int(seqused_k.max())
-    return int(max_seqlen_q), int(max_seqlen_k)
+def _tensors(op, **named):
+    return {name: validation.tensor(op, name, value) for name, value in named.items()}
+
+
+def _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning):
+    """``(max_seqlen_q, max_seqlen_k)`` as ints, each derived from the lengths when None. Deriving
+    reads the index tensors on the host, after the ops' argument contract has checked them (the same
+    checks, in the same words, as the op's), so that a malformed ``cu_seqlens_q`` or ``seqused_k``
+    is refused as such rather than failing the computation of a maximum."""
+    max_seqlen_q = validation.integer(op, "max_seqlen_q", max_seqlen_q, optional=True)
+    max_seqlen_k = validation.integer(op, "max_seqlen_k", max_seqlen_k, optional=True)
+    if max_seqlen_q is not None and max_seqlen_k is not None:
+        return max_seqlen_q, max_seqlen_k
+    return _ops().check_args(op, **tensors, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **tuning)
 
 
 def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q=None, max_seqlen_k=None, *,
-        stride=8, top_p=0.95, softmax_scale=None):
+        stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE):
     """KAP (spec section 2): ordered block lists ``(order, counts)``."""
-    max_seqlen_q, max_seqlen_k = _max_lengths(cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k)
-    return _ops().kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                      stride, top_p, softmax_scale)
+    op = "kap"
+    tensors = _tensors(op, q=q, k_cache=k_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+                       seqused_k=seqused_k)
+    tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
+                  softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True))
+    max_seqlen_q, max_seqlen_k = _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning)
+    return _ops().kap(**tensors, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **tuning)
 
 
 def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q=None, *,
-        softmax_scale=None, delta=2000.0):
-    """OSK (spec section 3): attention over the listed blocks in list order, with the in-kernel skip.
-    Returns ``(out, lse, skipped)``."""
-    max_seqlen_q, _ = _max_lengths(cu_seqlens_q, seqused_k, max_seqlen_q, 0)
-    return _ops().osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
-                      softmax_scale, delta)
+        softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE):
+    """OSK (spec section 3): attention over the listed blocks in list order, with the in-kernel skip
+    decided per 64-row half of each tile (``vote="warpgroup"``) or for the whole tile (``"tile"``).
+    Returns ``(out, lse, skipped)``; ``skipped`` counts skipped 64-row halves."""
+    op = "osk"
+    tensors = _tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+                       seqused_k=seqused_k, order=order, counts=counts)
+    tuning = dict(softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
+                  delta=validation.real(op, "delta", delta), vote=validation.string(op, "vote", vote))
+    max_seqlen_q = validation.integer(op, "max_seqlen_q", max_seqlen_q, optional=True)
+    if max_seqlen_q is None:
+        max_seqlen_q, _ = _ops().check_args(op, **tensors, **tuning)  # OSK takes no max_seqlen_k
+    return _ops().osk(**tensors, max_seqlen_q=max_seqlen_q, **tuning)
 
 
 def prefill(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q=None, max_seqlen_k=None, *,
-            stride=8, top_p=0.95, softmax_scale=None, delta=2000.0, return_stats=False):
+            stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
+            delta=defaults.DELTA, vote=defaults.VOTE, return_stats=False):
     """CoSA sparse prefill over a paged KV cache: KAP then OSK, with no host synchronisation between them.
 
     Returns ``out [total_q, Hq, d]``, or ``(out, stats)`` with ``return_stats=True``: a dict holding
     ``lse``, ``order``, ``counts``, ``skipped`` and the budgets (which read the lengths on the host)."""
-    max_seqlen_q, max_seqlen_k = _max_lengths(cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k)
-    out, lse, order, counts, skipped = _ops().prefill(
-        q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-        stride, top_p, softmax_scale, delta)
+    op = "prefill"
+    tensors = _tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+                       seqused_k=seqused_k)
+    tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
+                  softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
+                  delta=validation.real(op, "delta", delta), vote=validation.string(op, "vote", vote))
+    max_seqlen_q, max_seqlen_k = _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning)
+    out, lse, order, counts, skipped = _ops().prefill(**tensors, max_seqlen_q=max_seqlen_q,
+                                                      max_seqlen_k=max_seqlen_k, **tuning)
     if not return_stats:
         return out
     stage1, realised = reference.budgets(counts, skipped, cu_seqlens_q, seqused_k)
@@ -116,13 +140,21 @@ def _as_paged(x, page_size):
     return x.reshape(batch * (padded // page_size), page_size, *x.shape[2:])
 
 
-def sparse_attention(q, k, v, *, stride=8, top_p=0.95, softmax_scale=None, delta=2000.0, return_stats=False):
+def sparse_attention(q, k, v, *, stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
+                     delta=defaults.DELTA, vote=defaults.VOTE, return_stats=False):
     """CoSA causal attention on contiguous ``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]`` (``Sk >= Sq``,
     ``Sk - Sq`` a multiple of 128: the queries are the last ``Sq`` positions). A thin wrapper that
-    views the inputs as one page per 128 tokens and calls :func:`prefill`. Returns ``[B, Sq, Hq, d]``."""
+    views the inputs as one page per 128 tokens and calls :func:`prefill` with the device checks off
+    for this call (the index tensors it builds are right by construction; the one layout condition
+    left to the caller, the prefix, is checked here on the host). Returns ``[B, Sq, Hq, d]``."""
+    op = "sparse_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"cosa.sparse_attention: {name} must be a 4-D tensor [B, S, H, d]")
+        validation.tensor(op, name, t)
+        if t.dim() != 4:
+            raise ValueError(f"cosa.sparse_attention: {name} must be a 4-D tensor [B, S, H, d], got shape "
+                             f"{tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"cosa.sparse_attention: {name} must be on {q.device} like q, got {t.device}")
     if k.shape != v.shape:
         raise ValueError(f"cosa.sparse_attention: k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
     batch, seqlen_q = q.shape[:2]
@@ -139,9 +171,10 @@ def sparse_attention(q, k, v, *, stride=8, top_p=0.95, softmax_scale=None, delta
     page_table = torch.arange(batch * pages, dtype=torch.int32, device=device).reshape(batch, pages)
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
     seqused_k = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-    result = prefill(q.reshape(batch * seqlen_q, *q.shape[2:]), _as_paged(k, BLOCK), _as_paged(v, BLOCK),
-                     page_table, cu_seqlens_q, seqused_k, seqlen_q, seqlen_k, stride=stride, top_p=top_p,
-                     softmax_scale=softmax_scale, delta=delta, return_stats=return_stats)
+    with set_device_checks(False):
+        result = prefill(q.reshape(batch * seqlen_q, *q.shape[2:]), _as_paged(k, BLOCK), _as_paged(v, BLOCK),
+                         page_table, cu_seqlens_q, seqused_k, seqlen_q, seqlen_k, stride=stride, top_p=top_p,
+                         softmax_scale=softmax_scale, delta=delta, vote=vote, return_stats=return_stats)
     if return_stats:
         out, stats = result
         return out.reshape(q.shape), stats

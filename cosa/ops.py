@@ -1,13 +1,40 @@
 """Python registrations for the ops declared in csrc/torch_binding.cpp (``TORCH_LIBRARY(cosa, m)``):
-the fake (meta) kernels that let ``torch.compile`` trace them, and the CPU kernels, which are the
-reference (cosa.reference) behind the same argument checks as the CUDA path."""
+the CPU kernels, which are the reference (cosa.reference), and the fake (meta) kernels that let
+``torch.compile`` trace the ops. Both run the ops' argument contract first: the C++ checks of the
+binding, reached through ``torch.ops.cosa.check_args``, so that every path raises the same errors.
+The dispatcher leaves out the trailing arguments that equal their schema defaults, so these take
+the same defaults (cosa.defaults)."""
 
 from __future__ import annotations
 
-import torch
+import functools
+import inspect
 
-from . import reference, validation
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from . import defaults, reference
 from .reference import cdiv
+
+
+def _contract_first(op: str, kernel, *, fake: bool = False):
+    """``kernel`` behind the argument contract of ``op``; the kernel's parameters are named as
+    check_args names them. A fake kernel skips the checks while torch.compile traces (FakeTensors,
+    sizes possibly symbolic): the traced call runs the real kernel, which checks. It keeps them for
+    a call with real tensors, one of them on 'meta': the dispatcher ranks Meta above every backend,
+    so such a call lands in the fake kernel, which must refuse the mixed devices rather than return
+    uninitialised memory."""
+    signature = inspect.signature(kernel)
+
+    @functools.wraps(kernel)
+    def checked(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if not (fake and isinstance(bound.arguments["q"], FakeTensor)):
+            torch.ops.cosa.check_args(op, **bound.arguments)
+        return kernel(*args, **kwargs)
+
+    return checked
 
 
 def _sym_num_q_blocks(total_q, batch, max_seqlen_q):
@@ -15,76 +42,55 @@ def _sym_num_q_blocks(total_q, batch, max_seqlen_q):
     return torch.sym_min(batch * cdiv(max_seqlen_q, reference.BLOCK), (total_q + (reference.BLOCK - 1) * batch) // reference.BLOCK)
 
 
-def _list_shapes(q, seqused_k, max_seqlen_q, max_seqlen_k):
+def _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k):
     hq = q.shape[1]
     nqb = _sym_num_q_blocks(q.shape[0], seqused_k.shape[0], max_seqlen_q)
-    return (hq, nqb, cdiv(max_seqlen_k, reference.BLOCK)), (hq, nqb)
+    return (q.new_empty((hq, nqb, cdiv(max_seqlen_k, reference.BLOCK)), dtype=torch.int32),
+            q.new_empty((hq, nqb), dtype=torch.int32))
 
 
-def _kap_fake(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-              stride=8, top_p=0.95, softmax_scale=None):
-    order_shape, counts_shape = _list_shapes(q, seqused_k, max_seqlen_q, max_seqlen_k)
-    return q.new_empty(order_shape, dtype=torch.int32), q.new_empty(counts_shape, dtype=torch.int32)
+def _kap_fake(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, stride=defaults.STRIDE,
+              top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE):
+    return _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k)
 
 
 def _osk_fake(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
-              softmax_scale=None, delta=2000.0):
+              softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE):
     return (torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
             torch.empty_like(counts))
 
 
 def _prefill_fake(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                  stride=8, top_p=0.95, softmax_scale=None, delta=2000.0):
-    order, counts = _kap_fake(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k)
+                  stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
+                  delta=defaults.DELTA, vote=defaults.VOTE):
+    order, counts = _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k)
     return (torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), order, counts,
             torch.empty_like(counts))
 
 
-def _check_kap(op, q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-               stride, top_p, softmax_scale, v_cache=None):
-    validation.check_layout(op, q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k)
-    validation.check_kap_args(op, stride, top_p, softmax_scale)
-    validation.check_lengths(op, q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k)
-
-
-def _kap_cpu(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-             stride=8, top_p=0.95, softmax_scale=None):
-    _check_kap("kap", q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-               stride, top_p, softmax_scale)
-    return reference.kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                         stride, top_p, softmax_scale)
-
-
 def _osk_cpu(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
-             softmax_scale=None, delta=2000.0):
-    op = "osk"
-    validation.check_layout(op, q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, None)
-    validation.check_scale(op, softmax_scale)
-    validation.check_delta(op, delta)
-    validation.check_lengths(op, q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, None)
-    validation.check_order(op, q, order, counts, cu_seqlens_q, seqused_k, max_seqlen_q)
+             softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE):
+    # The op's arguments only: reference.osk's own return_skip_trace is no argument of the contract.
     return reference.osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
-                         softmax_scale, delta)
+                         softmax_scale, delta, vote)
 
 
 def _prefill_cpu(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                 stride=8, top_p=0.95, softmax_scale=None, delta=2000.0):
-    _check_kap("prefill", q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-               stride, top_p, softmax_scale, v_cache=v_cache)
-    validation.check_delta("prefill", delta)
+                 stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
+                 delta=defaults.DELTA, vote=defaults.VOTE):
     order, counts = reference.kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
                                   stride, top_p, softmax_scale)
     out, lse, skipped = reference.osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
-                                      max_seqlen_q, softmax_scale, delta)
+                                      max_seqlen_q, softmax_scale, delta, vote)
     return out, lse, order, counts, skipped
 
 
 def register():
     """Attach the fake and CPU kernels to the schemas that cosa._C declared."""
-    for name, fake, cpu in (("kap", _kap_fake, _kap_cpu), ("osk", _osk_fake, _osk_cpu),
+    for name, fake, cpu in (("kap", _kap_fake, reference.kap), ("osk", _osk_fake, _osk_cpu),
                             ("prefill", _prefill_fake, _prefill_cpu)):
-        torch.library.register_fake(f"cosa::{name}")(fake)
-        torch.library.register_kernel(f"cosa::{name}", "cpu")(cpu)
+        torch.library.register_fake(f"cosa::{name}")(_contract_first(name, fake, fake=True))
+        torch.library.register_kernel(f"cosa::{name}", "cpu")(_contract_first(name, cpu))
 
 
 __all__ = ["register"]

@@ -15,7 +15,11 @@ import math
 
 import torch
 
+from . import defaults
+
 BLOCK = 128  # logical query/key block size (fixed by the method)
+HALF = BLOCK // 2  # rows of one consumer warpgroup of OSK: the unit of the per-warpgroup vote
+VOTE_SCOPES = ("warpgroup", "tile")  # spec section 3
 
 # Tiles processed together by the OSK reference; bounds its memory to a few hundred MB.
 _OSK_TILES_PER_CHUNK = 256
@@ -73,7 +77,9 @@ def _kap_sequence_scores(qb, kb, prefix, stride, scale):
     """Scores ``S`` and HRM flags ``H`` ``[Hq, nq, nk]`` of one sequence (spec 2.1-2.4).
 
     qb: [Lq, Hq, d] and kb: [Lk, Hkv, d] in the compute dtype. Entries that are not causal
-    candidates (j > P/128 + i) get S = -inf and H = False."""
+    candidates (j > P/128 + i) get S = -inf and H = False. Non-finite inputs (spec section 6): a NaN
+    proxy logit drops out of the maxima; a stride row left with no maximum makes the scores of its
+    query block NaN."""
     lq, hq, d = qb.shape
     lk, hkv = kb.shape[0], kb.shape[1]
     s = stride
@@ -95,13 +101,18 @@ def _kap_sequence_scores(qb, kb, prefix, stride, scale):
         z = torch.nn.functional.pad(z, (0, nk * rows_per_block - nc), value=-math.inf)
         rows = torch.arange(r0, r1, device=qb.device)
         allowed = cols[None, :] <= rows[:, None] + prefix // s
-        z = z.masked_fill(~allowed, -math.inf)
+        # NaN cells (non-finite inputs) drop out of the maxima, as the kernel's fmaxf drops them.
+        z = z.masked_fill(~allowed | z.isnan(), -math.inf)
         # 2.3 MaxPool over each key block's cells.
         bm[:, r0:r1] = z.reshape(hq, r1 - r0, nk, rows_per_block).amax(-1)
 
-    rm = bm.amax(-1, keepdim=True)  # row max over blocks; -inf only for padding rows
-    pbar = torch.exp(bm - rm).nan_to_num(nan=0.0)  # padding rows: exp(-inf - -inf) -> 0
-    is_row_max = (bm == rm) & torch.isfinite(rm)
+    live = (torch.arange(nq * rows_per_block, device=qb.device) < nr)[None, :, None]  # stride rows that exist
+    rm = bm.amax(-1, keepdim=True)  # row max over blocks; -inf for padding rows
+    # A live row whose every allowed cell was NaN or -inf has no maximum: NaN makes its query
+    # block's scores NaN, and NaN scores keep every candidate (2.6).
+    rm = torch.where(live & (rm == -math.inf), math.nan, rm)
+    pbar = torch.where(live, torch.exp(bm - rm), 0.0)
+    is_row_max = (bm == rm) & live
     # 2.4 block scores and HRM flags over the stride rows each query block owns.
     scores = pbar.reshape(hq, nq, rows_per_block, nk).sum(2)
     hrm = is_row_max.reshape(hq, nq, rows_per_block, nk).any(2)
@@ -116,7 +127,7 @@ def _kap_select(scores, hrm, prefix, top_p):
     """Spec 2.5-2.6: ordered lists ``[Hq, nq, nk]`` (-1 padded) and counts ``[Hq, nq]``."""
     hq, nq, nk = scores.shape
     device = scores.device
-    candidate = torch.isfinite(scores)
+    candidate = scores != -math.inf  # NaN scores (non-finite inputs) are candidates
     # 2.5 sort by (H desc, S desc, j asc): stable sorts from the least significant key up.
     by_score = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     by_flag = torch.sort(hrm.gather(-1, by_score).to(torch.int8), dim=-1, descending=True, stable=True).indices
@@ -125,9 +136,11 @@ def _kap_select(scores, hrm, prefix, top_p):
     sorted_h = hrm.gather(-1, sorted_j)
     sorted_candidate = candidate.gather(-1, sorted_j)
     # 2.6 shortest prefix whose cumulative score reaches p*T, plus HRM, sink and diagonal blocks.
+    # Written as "not reached before": a NaN total (non-finite inputs) is never reached, so the
+    # prefix is every candidate.
     total = sorted_s.sum(-1, keepdim=True)
     before = torch.cumsum(sorted_s, -1) - sorted_s
-    in_prefix = before < top_p * total if top_p < 1.0 else torch.ones_like(sorted_h)
+    in_prefix = ~(before >= top_p * total) if top_p < 1.0 else torch.ones_like(sorted_h)
     diagonal = prefix // BLOCK + torch.arange(nq, device=device)[None, :, None]
     keep = (in_prefix | sorted_h | (sorted_j == 0) | (sorted_j == diagonal)) & sorted_candidate
     # Compact the kept entries to the front, keeping their sort order.
@@ -139,7 +152,7 @@ def _kap_select(scores, hrm, prefix, top_p):
 
 
 def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-               stride=8, softmax_scale=None):
+               stride=defaults.STRIDE, softmax_scale=defaults.SOFTMAX_SCALE):
     """Block scores S and HRM flags H of every (query head, query block): float32 / bool
     ``[Hq, num_q_blocks, ceil(max_seqlen_k / 128)]``; -inf / False outside the causal candidates
     and on padding rows."""
@@ -162,7 +175,7 @@ def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, ma
 
 
 def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-        stride=8, top_p=0.95, softmax_scale=None):
+        stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE):
     """Spec section 2: ``order`` int32 ``[Hq, num_q_blocks, ceil(max_seqlen_k/128)]`` (each list in
     visiting order, then -1) and ``counts`` int32 ``[Hq, num_q_blocks]``."""
     total_q, hq, _ = q.shape
@@ -214,10 +227,13 @@ def _tile_logits(q_tiles, k_blocks, q_pos, k_pos, lk, scale):
 
 
 def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
-        softmax_scale=None, delta=2000.0, return_skip_trace=False):
+        softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE, return_skip_trace=False):
     """Spec section 3. Returns ``out`` (like q), ``lse`` float32 ``[Hq, total_q]`` and ``skipped``
-    int32 ``[Hq, num_q_blocks]``; with ``return_skip_trace`` also a bool tensor shaped like ``order``
-    that marks the list entries the in-kernel vote skipped."""
+    int32 ``[Hq, num_q_blocks]``, the 64-row halves of each tile whose P V work the vote skipped,
+    summed over its list (a tile-wide skip counts 2). ``vote`` is who decides together: each 64-row
+    half of the tile alone (``"warpgroup"``) or all 128 rows (``"tile"``). With
+    ``return_skip_trace`` also a bool tensor ``order.shape + (2,)`` marking, per list entry and
+    half, what the vote skipped."""
     total_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     scale = _default_scale(d, softmax_scale)
@@ -225,8 +241,9 @@ def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
     device = q.device
     out = torch.zeros((total_q, hq, d), dtype=q.dtype, device=device)
     lse = torch.full((hq, total_q), -math.inf, dtype=torch.float32, device=device)
-    trace = torch.zeros(order.shape, dtype=torch.bool, device=device)
+    trace = torch.zeros((*order.shape, 2), dtype=torch.bool, device=device)
     rows = torch.arange(BLOCK, device=device)
+    voters = HALF if vote == "warpgroup" else BLOCK  # rows that decide together
 
     for b, q0, lq, lk, g0 in _sequences(cu_seqlens_q, seqused_k):
         nq, nk = cdiv(lq, BLOCK), cdiv(lk, BLOCK)
@@ -252,7 +269,7 @@ def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
         o_b = torch.zeros((hq * nq, BLOCK, d), dtype=dt, device=device)
         m_b = torch.full((hq * nq, BLOCK), -math.inf, dtype=dt, device=device)
         l_b = torch.zeros((hq * nq, BLOCK), dtype=dt, device=device)
-        trace_b = torch.zeros((hq * nq, order.shape[2]), dtype=torch.bool, device=device)
+        trace_b = torch.zeros((hq * nq, order.shape[2], 2), dtype=torch.bool, device=device)
         for t0 in range(0, hq * nq, _OSK_TILES_PER_CHUNK):
             ts = slice(t0, min(hq * nq, t0 + _OSK_TILES_PER_CHUNK))
             kvh = tile_head[ts] // (hq // hkv)
@@ -262,33 +279,38 @@ def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
                 j = tile_order[ts, k].clamp(min=0)
                 k_pos = j[:, None] * BLOCK + rows[None, :]
                 s = _tile_logits(q_b[ts], k_b[kvh, j], q_pos[ts], k_pos, lk, scale)
-                m_loc = s.amax(-1)
+                # NaN logits (non-finite inputs) drop out of the max and so of the vote, as the
+                # kernel's fmaxf drops them; they reach l and O through P all the same.
+                m_loc = s.masked_fill(s.isnan(), -math.inf).amax(-1)
                 m_new = torch.maximum(m, m_loc)
                 if skip_on and k > 0:
                     votes = (m_loc == -math.inf) | (m_loc - m_new < tau) | ~live_row[ts]
-                    skip = active & votes.all(-1)
+                    groups = votes.reshape(votes.shape[0], -1, voters).all(-1)  # [T, 128 / voters]
+                    skip = active[:, None] & groups.repeat_interleave(voters, 1)  # per row
                 else:
-                    skip = torch.zeros_like(active)
-                update = active & ~skip
-                trace_b[ts, k] = skip
-                # Online softmax; rows whose running max is still -inf contribute nothing.
-                m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+                    skip = torch.zeros_like(live_row[ts])
+                update = active[:, None] & ~skip  # [T, 128]
+                trace_b[ts, k] = skip[:, ::HALF]
+                # Online softmax; rows whose running max is still -inf contribute nothing. A +inf
+                # max (an infinite input) makes P and the rescale NaN, as exp(inf - inf) is.
+                m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
                 p = torch.exp(s - m_safe[..., None])
-                alpha = torch.exp(torch.where(torch.isfinite(m), m - m_safe, -math.inf))
-                u = update[:, None]
-                l = torch.where(u, alpha * l + p.sum(-1), l)
-                o = torch.where(u[..., None], alpha[..., None] * o + torch.matmul(p, v_b[kvh, j]), o)
-                m = torch.where(u, m_new, m)
+                alpha = torch.exp(m - m_safe)
+                l = torch.where(update, alpha * l + p.sum(-1), l)
+                o = torch.where(update[..., None], alpha[..., None] * o + torch.matmul(p, v_b[kvh, j]), o)
+                m = torch.where(update, m_new, m)
             o_b[ts], m_b[ts], l_b[ts] = o, m, l
 
-        has_mass = l_b > 0
-        o_b = torch.where(has_mass[..., None], o_b / l_b.clamp(min=torch.finfo(dt).tiny)[..., None], 0.0)
-        lse_b = torch.where(has_mass, m_b + torch.log(l_b), -math.inf)
+        # l is positive, NaN (a non-finite logit or rescale reached the row: out and lse NaN), or 0
+        # (no key reached the row: a padding row or an empty list; out 0 and lse -inf).
+        empty = l_b == 0
+        o_b = torch.where(empty[..., None], 0.0, o_b / l_b[..., None])
+        lse_b = torch.where(empty, -math.inf, m_b + torch.log(l_b))
         o_b = o_b.reshape(hq, nq * BLOCK, d)[:, :lq].permute(1, 0, 2)
         out[q0:q0 + lq] = o_b.to(q.dtype)
         lse[:, q0:q0 + lq] = lse_b.reshape(hq, nq * BLOCK)[:, :lq].float()
-        trace[:, g0:g0 + nq] = trace_b.reshape(hq, nq, -1)
-    skipped = trace.sum(-1, dtype=torch.int32)
+        trace[:, g0:g0 + nq] = trace_b.reshape(hq, nq, -1, 2)
+    skipped = trace.sum((-1, -2), dtype=torch.int32)
     if return_skip_trace:
         return out, lse, skipped, trace
     return out, lse, skipped
@@ -320,11 +342,12 @@ def dense_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, so
 
 
 def budgets(counts, skipped, cu_seqlens_q, seqused_k):
-    """Stage-1 and realised budgets (spec section 3) as Python floats."""
+    """Stage-1 and realised budgets (spec section 3) as Python floats. ``skipped`` counts 64-row
+    halves of tiles, so a block skipped by the whole tile counts one block."""
     causal = 0
     for _, _, lq, lk, _ in _sequences(cu_seqlens_q, seqused_k):
         nq = cdiv(lq, BLOCK)
         causal += nq * ((lk - lq) // BLOCK) + nq * (nq + 1) // 2
     causal *= counts.shape[0]
     visited = int(counts.sum())
-    return visited / causal, (visited - int(skipped.sum())) / causal
+    return visited / causal, (visited - int(skipped.sum()) / 2) / causal

@@ -1,20 +1,22 @@
 // The torch binding of the CoSA ops, and the only file of the project that includes torch.
-// Every build declares the op schemas (TORCH_LIBRARY); the CUDA build (COSA_WITH_CUDA) adds their
-// CUDA implementations: argument checks, output allocation, launch on the current stream. The CPU
-// implementations (the Python reference) and the fake kernels are registered from Python
-// (cosa/ops.py), and the argument checks here mirror cosa/validation.py, messages included.
+// Every build declares the op schemas (TORCH_LIBRARY) and holds the ops' argument contract: the
+// checks below, with their messages. The CUDA build (COSA_WITH_CUDA) adds the ops' CUDA
+// implementations: the contract, the kernels' own limits, output allocation, launch on the current
+// stream. The CPU implementations (the Python reference) and the fake kernels are registered from
+// Python (cosa/ops.py); they run the same checks through the op cosa::check_args.
+//
+// Why the contract is written here, once, rather than in Python: the CUDA path is the hot one and
+// C++ checks keep Python off it, while the CPU path and the Python wrappers reach the very same
+// code through one op call, so that every path raises the same errors (TypeError for a wrong dtype,
+// ValueError for a wrong value, each naming the op and the argument) in the same order. Python keeps
+// only what C++ cannot see, the Python types of the wrappers' arguments (cosa/validation.py).
 
 // Python.h comes first, as CPython asks. The extension is built against the stable ABI
 // (Py_LIMITED_API); its module has no methods: importing it runs the registrations below.
 #include <Python.h>
 
-#include <torch/library.h>
-
-#ifdef COSA_WITH_CUDA
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <charconv>
@@ -23,14 +25,34 @@
 #include <cstdlib>
 #include <limits>
 #include <optional>
-#include <type_traits>
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#ifdef COSA_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include "cosa_params.h"
 #endif
+
+// The defaults of the tuning arguments come from cosa/defaults.py, their one source: setup.py
+// passes them as these macros, and the schemas below spell them.
+#if !defined(COSA_DEFAULT_STRIDE) || !defined(COSA_DEFAULT_TOP_P) || !defined(COSA_DEFAULT_SOFTMAX_SCALE) || \
+    !defined(COSA_DEFAULT_DELTA) || !defined(COSA_DEFAULT_VOTE)
+#error "build through setup.py, which passes the defaults of cosa/defaults.py as the COSA_DEFAULT_* macros"
+#endif
+#define COSA_SPELL_(value) #value
+#define COSA_SPELL(value) COSA_SPELL_(value)
+#define COSA_STRIDE_ARG "int stride=" COSA_SPELL(COSA_DEFAULT_STRIDE)
+#define COSA_TOP_P_ARG "float top_p=" COSA_SPELL(COSA_DEFAULT_TOP_P)
+#define COSA_SOFTMAX_SCALE_ARG "float? softmax_scale=" COSA_SPELL(COSA_DEFAULT_SOFTMAX_SCALE)
+#define COSA_DELTA_ARG "float delta=" COSA_SPELL(COSA_DEFAULT_DELTA)
+#define COSA_VOTE_ARG "str vote=\"" COSA_SPELL(COSA_DEFAULT_VOTE) "\""
 
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
@@ -38,34 +60,47 @@ PyMODINIT_FUNC PyInit__C(void) {
 }
 
 TORCH_LIBRARY(cosa, m) {
-  m.def(
-      "kap(Tensor q, Tensor k_cache, Tensor page_table, Tensor cu_seqlens_q, Tensor seqused_k, "
-      "int max_seqlen_q, int max_seqlen_k, int stride=8, float top_p=0.95, float? softmax_scale=None) "
-      "-> (Tensor order, Tensor counts)");
-  m.def(
-      "osk(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
-      "Tensor seqused_k, Tensor order, Tensor counts, int max_seqlen_q, float? softmax_scale=None, "
-      "float delta=2000.0) -> (Tensor out, Tensor lse, Tensor skipped)");
-  m.def(
-      "prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
-      "Tensor seqused_k, int max_seqlen_q, int max_seqlen_k, int stride=8, float top_p=0.95, "
-      "float? softmax_scale=None, float delta=2000.0) "
-      "-> (Tensor out, Tensor lse, Tensor order, Tensor counts, Tensor skipped)");
+  m.def("kap(Tensor q, Tensor k_cache, Tensor page_table, Tensor cu_seqlens_q, Tensor seqused_k, "
+        "int max_seqlen_q, int max_seqlen_k, " COSA_STRIDE_ARG ", " COSA_TOP_P_ARG ", " COSA_SOFTMAX_SCALE_ARG
+        ") -> (Tensor order, Tensor counts)");
+  m.def("osk(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
+        "Tensor seqused_k, Tensor order, Tensor counts, int max_seqlen_q, " COSA_SOFTMAX_SCALE_ARG ", "
+        COSA_DELTA_ARG ", " COSA_VOTE_ARG ") -> (Tensor out, Tensor lse, Tensor skipped)");
+  m.def("prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
+        "Tensor seqused_k, int max_seqlen_q, int max_seqlen_k, " COSA_STRIDE_ARG ", " COSA_TOP_P_ARG ", "
+        COSA_SOFTMAX_SCALE_ARG ", " COSA_DELTA_ARG ", " COSA_VOTE_ARG
+        ") -> (Tensor out, Tensor lse, Tensor order, Tensor counts, Tensor skipped)");
+  // The argument contract of the op named `op` (kap, osk or prefill), for any device: the arguments
+  // that op lacks are None. A max length left None is derived from the lengths (read on the host);
+  // returns (max_seqlen_q, max_seqlen_k). The contents of the index tensors are checked wherever
+  // they can be read: always on the CPU, on CUDA while the device checks are on (or a length must
+  // be derived) and no CUDA graph is being captured, never on 'meta'.
+  m.def("check_args(str op, Tensor q, Tensor k_cache, Tensor page_table, Tensor cu_seqlens_q, Tensor seqused_k, "
+        "Tensor? v_cache=None, Tensor? order=None, Tensor? counts=None, int? max_seqlen_q=None, "
+        "int? max_seqlen_k=None, int? stride=None, float? top_p=None, float? softmax_scale=None, "
+        "float? delta=None, str? vote=None) -> (int max_seqlen_q, int max_seqlen_k)");
+  // This thread's device-checks setting (see device_checks_enabled below); set_ returns the previous one.
+  m.def("set_device_checks(bool enabled) -> bool");
+  m.def("device_checks_enabled() -> bool");
 }
 
-#ifdef COSA_WITH_CUDA
-
 // Each failed check names the op and the argument: TypeError for a wrong dtype, ValueError for
-// everything else (the exception types of the CPU path).
+// everything else.
 #define COSA_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, message("cosa.", op, ": ", __VA_ARGS__))
 #define COSA_CHECK_TYPE(cond, op, ...) TORCH_CHECK_TYPE(cond, message("cosa.", op, ": ", __VA_ARGS__))
 
 namespace {
 
-constexpr int64_t kBlock = cosa::kBlockSize;
-constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+constexpr int64_t kBlock = 128;  // the logical block (spec section 1)
+#ifdef COSA_WITH_CUDA
+static_assert(kBlock == cosa::kBlockSize);
+#endif
 
-// Python's spelling of a dtype, so that the messages read like those of the CPU path.
+// ---------------------------------------------------------------------------------------------
+// Messages
+// ---------------------------------------------------------------------------------------------
+
+// Python's spelling of a dtype, so that the messages read like Python's.
 std::string dtype_name(at::ScalarType type) {
   switch (type) {
     case at::kBFloat16: return "torch.bfloat16";
@@ -89,7 +124,7 @@ std::string tuple_str(c10::IntArrayRef values) {
   return out + (values.size() == 1 ? ",)" : ")");
 }
 
-// Python's repr of a float (shortest round trip, "1.0" not "1"), as the CPU path prints it.
+// Python's repr of a float (shortest round trip, "1.0" not "1").
 std::string float_repr(double value) {
   char text[32];
   const auto result = std::to_chars(text, text + sizeof(text), value);
@@ -99,7 +134,7 @@ std::string float_repr(double value) {
 }
 
 // Error messages are assembled without iostreams: formatting a number through an ostream inside
-// this module crashed on the GPU machine (torch 2.11 with GCC 13: the stream's numeric facet was
+// this module crashed on an H200 build (torch 2.11 with GCC 13: the stream's numeric facet was
 // not usable from the extension), so numbers are converted with std::to_string / std::to_chars.
 void append(std::string& out, const char* text) { out += text; }
 void append(std::string& out, const std::string& text) { out += text; }
@@ -117,6 +152,11 @@ std::string message(const Args&... parts) {
   return out;
 }
 
+[[noreturn]] void fail_value(const char* op, const std::string& text) {
+  TORCH_CHECK_VALUE(false, message("cosa.", op, ": ", text));
+  std::abort();  // unreachable: TORCH_CHECK_VALUE(false, ...) always throws
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Rows of order/counts/skipped: spec section 2, "row count without host synchronisation".
@@ -124,10 +164,321 @@ int64_t num_q_blocks_bound(int64_t total_q, int64_t batch, int64_t max_seqlen_q)
   return std::min(batch * ceil_div(max_seqlen_q, kBlock), (total_q + (kBlock - 1) * batch) / kBlock);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The device checks setting
+// ---------------------------------------------------------------------------------------------
+
+// Whether the CUDA ops check the contents of their index tensors (one small kernel and one host
+// synchronisation per call). On by default; COSA_DEVICE_CHECKS=0 in the environment when the
+// extension loads turns them off for the whole process. After that the setting belongs to each
+// thread (cosa.set_device_checks): a library can turn them off around its own calls, whose index
+// tensors are right by construction, without touching the calls of other threads.
+const bool kDeviceChecksDefault = [] {
+  const char* value = std::getenv("COSA_DEVICE_CHECKS");
+  return value == nullptr || std::string_view(value) != "0";
+}();
+thread_local bool t_device_checks = kDeviceChecksDefault;
+
+bool set_device_checks(bool enabled) { return std::exchange(t_device_checks, enabled); }
+bool device_checks_enabled() { return t_device_checks; }
+
+// ---------------------------------------------------------------------------------------------
+// The argument contract (spec section 1 and the ops' arguments): every path runs it
+// ---------------------------------------------------------------------------------------------
+
+// The arguments of kap / osk / prefill that the contract covers; what an op lacks is null or empty.
+struct OpArgs {
+  const char* op;
+  const at::Tensor& q;
+  const at::Tensor& k_cache;
+  const at::Tensor* v_cache;
+  const at::Tensor& page_table;
+  const at::Tensor& cu_seqlens_q;
+  const at::Tensor& seqused_k;
+  const at::Tensor* order;
+  const at::Tensor* counts;
+  std::optional<int64_t> max_seqlen_q;
+  std::optional<int64_t> max_seqlen_k;
+  std::optional<int64_t> stride;
+  std::optional<double> top_p;
+  std::optional<double> softmax_scale;
+  std::optional<double> delta;
+  std::optional<c10::string_view> vote;
+};
+
 // Sizes of the paged layout, read from checked shapes.
 struct Sizes {
   int64_t batch, total_q, num_heads_q, num_heads_kv, head_dim, num_pages, page_size, max_pages;
 };
+
+// Devices, dtypes and shapes of the tensors (spec section 1); reads no tensor data.
+Sizes check_tensors(const OpArgs& a) {
+  const char* op = a.op;
+  const at::Tensor& q = a.q;
+  std::vector<std::pair<const char*, const at::Tensor*>> tensors = {
+      {"q", &q}, {"k_cache", &a.k_cache}, {"v_cache", a.v_cache}, {"page_table", &a.page_table},
+      {"cu_seqlens_q", &a.cu_seqlens_q}, {"seqused_k", &a.seqused_k}, {"order", a.order}, {"counts", a.counts}};
+  for (const auto& [name, t] : tensors) {
+    if (!t) continue;
+    COSA_CHECK_VALUE(t->device() == q.device(), op, name, " must be on ", q.device(), " like q, got ", t->device());
+  }
+
+  const auto dtype = q.scalar_type();
+  COSA_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf, op, "q must be bfloat16 or float16, got ",
+                  dtype_name(dtype));
+  COSA_CHECK_VALUE(q.dim() == 3, op, "q must be 3-D [total_q, num_heads_q, head_dim], got shape ",
+                   tuple_str(q.sizes()));
+  const int64_t total_q = q.size(0), num_heads_q = q.size(1), head_dim = q.size(2);
+  COSA_CHECK_VALUE(head_dim == 64 || head_dim == 128, op, "head dim must be 64 or 128, got ", head_dim,
+                   " (q.shape[-1])");
+  for (const auto& [name, cache] : {std::pair{"k_cache", &a.k_cache}, std::pair{"v_cache", a.v_cache}}) {
+    if (!cache) continue;
+    COSA_CHECK_TYPE(cache->scalar_type() == dtype, op, name, " must have q's dtype ", dtype_name(dtype), ", got ",
+                    dtype_name(cache->scalar_type()));
+    COSA_CHECK_VALUE(cache->dim() == 4, op, name,
+                     " must be 4-D [num_pages, page_size, num_heads_kv, head_dim], got shape ",
+                     tuple_str(cache->sizes()));
+    COSA_CHECK_VALUE(cache->size(3) == head_dim, op, name, " head dim ", cache->size(3), " differs from q's ",
+                     head_dim);
+  }
+  const at::Tensor& k_cache = a.k_cache;
+  COSA_CHECK_VALUE(!a.v_cache || a.v_cache->sizes() == k_cache.sizes(), op, "v_cache shape ",
+                   tuple_str(a.v_cache ? a.v_cache->sizes() : k_cache.sizes()), " differs from k_cache shape ",
+                   tuple_str(k_cache.sizes()));
+  const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), num_heads_kv = k_cache.size(2);
+  COSA_CHECK_VALUE(page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0, op,
+                   "page size (k_cache.shape[1]) must be a power of two in [16, 256], got ", page_size);
+  COSA_CHECK_VALUE(num_heads_kv > 0 && num_heads_q % num_heads_kv == 0, op, "num_heads_q (", num_heads_q,
+                   ") must be a multiple of num_heads_kv (", num_heads_kv, ")");
+
+  for (const auto& [name, t, dims] : {std::tuple{"page_table", &a.page_table, 2},
+                                      std::tuple{"cu_seqlens_q", &a.cu_seqlens_q, 1},
+                                      std::tuple{"seqused_k", &a.seqused_k, 1}, std::tuple{"order", a.order, 3},
+                                      std::tuple{"counts", a.counts, 2}}) {
+    if (!t) continue;
+    COSA_CHECK_TYPE(t->scalar_type() == at::kInt, op, name, " must be int32, got ", dtype_name(t->scalar_type()));
+    COSA_CHECK_VALUE(t->dim() == dims, op, name, " must be ", dims, "-D, got shape ", tuple_str(t->sizes()));
+  }
+  const int64_t batch = a.seqused_k.size(0);
+  COSA_CHECK_VALUE(batch >= 1, op, "seqused_k must hold at least one sequence");
+  COSA_CHECK_VALUE(a.cu_seqlens_q.size(0) == batch + 1, op, "cu_seqlens_q must have batch + 1 = ", batch + 1,
+                   " entries, got ", a.cu_seqlens_q.size(0));
+  COSA_CHECK_VALUE(a.page_table.size(0) == batch, op, "page_table must have batch = ", batch, " rows, got ",
+                   a.page_table.size(0));
+  return Sizes{batch, total_q, num_heads_q, num_heads_kv, head_dim, num_pages, page_size, a.page_table.size(1)};
+}
+
+// The tuning arguments, and the max lengths that were given.
+void check_scalars(const OpArgs& a) {
+  const char* op = a.op;
+  if (a.max_seqlen_q) {
+    COSA_CHECK_VALUE(*a.max_seqlen_q >= 1, op, "max_seqlen_q must be a positive int, got ", *a.max_seqlen_q);
+  }
+  if (a.max_seqlen_q && a.max_seqlen_k) {
+    COSA_CHECK_VALUE(*a.max_seqlen_k >= *a.max_seqlen_q, op, "max_seqlen_k must be an int >= max_seqlen_q (",
+                     *a.max_seqlen_q, "), got ", *a.max_seqlen_k);
+  }
+  if (a.stride) {
+    COSA_CHECK_VALUE(*a.stride >= 1 && kBlock % *a.stride == 0, op, "stride must be a positive divisor of ", kBlock,
+                     ", got ", *a.stride);
+  }
+  if (a.top_p) {
+    COSA_CHECK_VALUE(std::isfinite(*a.top_p) && *a.top_p > 0.0 && *a.top_p <= 1.0, op,
+                     "top_p must be in (0, 1], got ", *a.top_p);
+  }
+  if (a.softmax_scale) {
+    COSA_CHECK_VALUE(std::isfinite(*a.softmax_scale) && *a.softmax_scale > 0, op,
+                     "softmax_scale must be a finite positive number, got ", *a.softmax_scale);
+  }
+  if (a.delta) {
+    COSA_CHECK_VALUE(std::isfinite(*a.delta), op,
+                     "delta must be a finite number (<= 0 disables the in-kernel skip), got ", *a.delta);
+  }
+  if (a.vote) {
+    COSA_CHECK_VALUE(*a.vote == "tile" || *a.vote == "warpgroup", op, "vote must be 'tile' or 'warpgroup', got '",
+                     std::string(*a.vote), "'");
+  }
+}
+
+// Shapes of the block lists given to OSK.
+void check_list_shapes(const OpArgs& a, const Sizes& s, int64_t max_seqlen_q) {
+  if (!a.order) return;
+  const char* op = a.op;
+  const int64_t hq = s.num_heads_q, rows = num_q_blocks_bound(s.total_q, s.batch, max_seqlen_q);
+  const at::Tensor &order = *a.order, &counts = *a.counts;
+  COSA_CHECK_VALUE(counts.size(0) == hq && counts.size(1) == rows, op,
+                   "counts must have shape [num_heads_q, num_q_blocks] = (", hq, ", ", rows, "), got ",
+                   tuple_str(counts.sizes()));
+  COSA_CHECK_VALUE(order.size(0) == hq && order.size(1) == rows && order.size(2) >= 1, op, "order must have shape [",
+                   hq, ", ", rows, ", max_k_blocks], got ", tuple_str(order.sizes()));
+}
+
+// Host copies of the index tensors, as int64, for the checks of their contents.
+struct IndexData {
+  std::vector<int64_t> cu, lk, page_table, order, counts;  // page_table, order, counts row-major
+};
+
+std::vector<int64_t> to_host(const at::Tensor& t) {
+  const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
+  return {host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + host.numel()};
+}
+
+IndexData read_index_data(const OpArgs& a) {
+  IndexData d{to_host(a.cu_seqlens_q), to_host(a.seqused_k), to_host(a.page_table), {}, {}};
+  if (a.order) {
+    d.order = to_host(*a.order);
+    d.counts = to_host(*a.counts);
+  }
+  return d;
+}
+
+// The lengths and the page table (spec section 1), in the order in which the device kernel
+// (csrc/checks/) ranks its findings: the first broken condition is the one reported. A bound
+// that is absent (a max length still to be derived, or OSK's max_seqlen_k) is not checked.
+void check_lengths_data(const OpArgs& a, const Sizes& s, const IndexData& d) {
+  const char* op = a.op;
+  const std::vector<int64_t>&cu = d.cu, &lk = d.lk;
+  if (cu[0] != 0 || cu[s.batch] != s.total_q) {
+    fail_value(op, message("cu_seqlens_q must start at 0 and end at total_q = ", s.total_q, ", got ", cu[0], " .. ",
+                           cu[s.batch]));
+  }
+  for (int64_t b = 0; b < s.batch; ++b) {
+    if (cu[b + 1] < cu[b]) {
+      fail_value(op, message("cu_seqlens_q must be non-decreasing, got ", cu[b], " then ", cu[b + 1], " at index ", b));
+    }
+  }
+  const int64_t capacity = s.max_pages * s.page_size;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t lq = cu[b + 1] - cu[b];
+    if (a.max_seqlen_q && lq > *a.max_seqlen_q) {
+      fail_value(op, message("sequence ", b, " has ", lq, " queries, more than max_seqlen_q = ", *a.max_seqlen_q));
+    }
+    if (lk[b] < lq) fail_value(op, message("seqused_k[", b, "] = ", lk[b], " is shorter than the sequence's ", lq, " queries"));
+    if (a.max_seqlen_k && lk[b] > *a.max_seqlen_k) {
+      fail_value(op, message("seqused_k[", b, "] = ", lk[b], " exceeds max_seqlen_k = ", *a.max_seqlen_k));
+    }
+    if ((lk[b] - lq) % kBlock) {
+      fail_value(op, message("the cached prefix of sequence ", b, " (seqused_k - query length = ", lk[b] - lq,
+                             ") must be a multiple of ", kBlock));
+    }
+    if (lk[b] > capacity) {
+      fail_value(op, message("seqused_k[", b, "] = ", lk[b], " exceeds page_table's capacity of ", capacity, " tokens"));
+    }
+  }
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t page = 0; page < ceil_div(lk[b], s.page_size); ++page) {
+      const int64_t id = d.page_table[b * s.max_pages + page];
+      if (id < 0 || id >= s.num_pages) {
+        fail_value(op, message("page_table[", b, ", ", page, "] = ", id, " is outside the cache's ", s.num_pages,
+                               " pages"));
+      }
+    }
+  }
+}
+
+// The block lists given to OSK: every count in [0, diagonal + 1] and within order's rows, every
+// listed block a causal candidate of its query block, so that OSK never reads outside a
+// sequence's pages. Needs the lengths checked first.
+void check_lists_data(const OpArgs& a, const Sizes& s, const IndexData& d, int64_t max_seqlen_q) {
+  if (!a.order) return;
+  const char* op = a.op;
+  const int64_t rows = num_q_blocks_bound(s.total_q, s.batch, max_seqlen_q), row_len = a.order->size(2);
+  std::vector<int64_t> diagonal(rows, -1);  // the diagonal key block of each query block; -1: padding
+  for (int64_t b = 0, g = 0; b < s.batch; ++b) {
+    const int64_t lq = d.cu[b + 1] - d.cu[b];
+    for (int64_t i = 0; i < ceil_div(lq, kBlock); ++i, ++g) diagonal[g] = (d.lk[b] - lq) / kBlock + i;
+  }
+  const int64_t lists = s.num_heads_q * rows;
+  for (int64_t row = 0; row < lists; ++row) {
+    const int64_t count = d.counts[row], g = row % rows;
+    if (count < 0 || count > diagonal[g] + 1) {
+      fail_value(op, message("counts[", row / rows, ", ", g, "] = ", count, " is outside [0, ", diagonal[g] + 1, "]"));
+    }
+  }
+  for (int64_t row = 0; row < lists; ++row) {
+    if (d.counts[row] > row_len) {
+      fail_value(op, message("counts[", row / rows, ", ", row % rows, "] = ", d.counts[row],
+                             " exceeds order's row length ", row_len));
+    }
+  }
+  for (int64_t row = 0; row < lists; ++row) {
+    const int64_t g = row % rows;
+    for (int64_t k = 0; k < d.counts[row]; ++k) {
+      const int64_t j = d.order[row * row_len + k];
+      if (j < 0 || j > diagonal[g]) {
+        fail_value(op, message("order[", row / rows, ", ", g, ", ", k, "] = ", j,
+                               " is not a causal block of its query block (0..", diagonal[g], ")"));
+      }
+    }
+  }
+}
+
+bool capturing_cuda_graph(const at::Tensor& t) {
+#ifdef COSA_WITH_CUDA
+  return t.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+  (void)t;  // without the CUDA kernels no cosa op runs inside a capture
+  return false;
+#endif
+}
+
+std::tuple<int64_t, int64_t> check_args(c10::string_view op_name, const at::Tensor& q, const at::Tensor& k_cache,
+                                        const at::Tensor& page_table, const at::Tensor& cu_seqlens_q,
+                                        const at::Tensor& seqused_k, const std::optional<at::Tensor>& v_cache,
+                                        const std::optional<at::Tensor>& order,
+                                        const std::optional<at::Tensor>& counts, std::optional<int64_t> max_seqlen_q,
+                                        std::optional<int64_t> max_seqlen_k, std::optional<int64_t> stride,
+                                        std::optional<double> top_p, std::optional<double> softmax_scale,
+                                        std::optional<double> delta, std::optional<c10::string_view> vote) {
+  const std::string op(op_name);
+  TORCH_CHECK_VALUE(order.has_value() == counts.has_value(), "cosa.check_args: order and counts come together");
+  OpArgs a{op.c_str(), q, k_cache, v_cache ? &*v_cache : nullptr, page_table, cu_seqlens_q, seqused_k,
+           order ? &*order : nullptr, counts ? &*counts : nullptr, max_seqlen_q, max_seqlen_k, stride, top_p,
+           softmax_scale, delta, vote};
+  const Sizes s = check_tensors(a);
+  check_scalars(a);
+  if (max_seqlen_q) check_list_shapes(a, s, *max_seqlen_q);
+
+  const bool derive = !max_seqlen_q || !max_seqlen_k;
+  const bool readable = !q.is_meta() && !capturing_cuda_graph(q);
+  if (!derive && (!readable || (!q.is_cpu() && !device_checks_enabled()))) return {*max_seqlen_q, *max_seqlen_k};
+  COSA_CHECK_VALUE(readable, a.op, "max_seqlen_q and max_seqlen_k must be given ",
+                   q.is_meta() ? "for tensors on meta" : "while a CUDA graph is being captured",
+                   " (they are derived by reading cu_seqlens_q and seqused_k on the host)");
+  const IndexData d = read_index_data(a);
+  check_lengths_data(a, s, d);
+  if (!max_seqlen_q) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < s.batch; ++b) longest = std::max(longest, d.cu[b + 1] - d.cu[b]);
+    COSA_CHECK_VALUE(longest >= 1, a.op, "cu_seqlens_q must hold at least one query token, got ",
+                     tuple_str(d.cu));
+    a.max_seqlen_q = longest;
+    check_list_shapes(a, s, longest);
+  }
+  if (!max_seqlen_k) {
+    // At least max_seqlen_q, as the contract wants: a given max_seqlen_q may exceed every length.
+    a.max_seqlen_k = std::max(*std::max_element(d.lk.begin(), d.lk.end()), *a.max_seqlen_q);
+  }
+  check_lists_data(a, s, d, *a.max_seqlen_q);
+  return {*a.max_seqlen_q, *a.max_seqlen_k};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cosa, CompositeExplicitAutograd, m) { m.impl("check_args", &check_args); }
+
+TORCH_LIBRARY_IMPL(cosa, CompositeImplicitAutograd, m) {
+  m.impl("set_device_checks", &set_device_checks);
+  m.impl("device_checks_enabled", &device_checks_enabled);
+}
+
+#ifdef COSA_WITH_CUDA
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The CUDA implementations: the contract, the kernels' limits, then launches
+// ---------------------------------------------------------------------------------------------
 
 // The kernels address q/k/v rows with 16-byte vector loads or TMA: the head dim must be
 // contiguous, every other stride a whole number of 16-byte units, the base 16-byte aligned.
@@ -142,152 +493,76 @@ void check_rows_aligned(const char* op, const char* name, const at::Tensor& t) {
                    "'s data must be 16-byte aligned");
 }
 
-// Dtypes, devices and shapes of the paged layout (spec section 1); reads no device data.
-// v_cache is null for KAP; max_seqlen_k is absent for OSK.
-Sizes check_layout(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor* v_cache,
-                   const at::Tensor& page_table, const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k,
-                   int64_t max_seqlen_q, std::optional<int64_t> max_seqlen_k) {
-  std::vector<std::pair<const char*, const at::Tensor*>> tensors = {
-      {"q", &q}, {"k_cache", &k_cache}, {"page_table", &page_table},
-      {"cu_seqlens_q", &cu_seqlens_q}, {"seqused_k", &seqused_k}};
-  if (v_cache) tensors.emplace_back("v_cache", v_cache);
-  for (const auto& [name, t] : tensors) {
-    COSA_CHECK_VALUE(t->device() == q.device(), op, name, " must be on ", q.device(), " like q, got ",
-                     t->device());
-  }
-  COSA_CHECK_VALUE(q.is_cuda(), op, "q must be a CUDA tensor, got one on ", q.device());
-
-  const auto dtype = q.scalar_type();
-  COSA_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf, op, "q must be bfloat16 or float16, got ",
-                  dtype_name(dtype));
-  COSA_CHECK_VALUE(q.dim() == 3, op, "q must be 3-D [total_q, num_heads_q, head_dim], got shape ",
-                   tuple_str(q.sizes()));
-  const int64_t total_q = q.size(0), num_heads_q = q.size(1), head_dim = q.size(2);
-  COSA_CHECK_VALUE(head_dim == 64 || head_dim == 128, op, "head dim must be 64 or 128, got ", head_dim,
-                   " (q.shape[-1])");
-  for (const auto& [name, cache] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", v_cache}}) {
-    if (!cache) continue;
-    COSA_CHECK_TYPE(cache->scalar_type() == dtype, op, name, " must have q's dtype ", dtype_name(dtype), ", got ",
-                    dtype_name(cache->scalar_type()));
-    COSA_CHECK_VALUE(cache->dim() == 4, op, name,
-                     " must be 4-D [num_pages, page_size, num_heads_kv, head_dim], got shape ",
-                     tuple_str(cache->sizes()));
-    COSA_CHECK_VALUE(cache->size(3) == head_dim, op, name, " head dim ", cache->size(3), " differs from q's ",
-                     head_dim);
-  }
-  COSA_CHECK_VALUE(!v_cache || v_cache->sizes() == k_cache.sizes(), op, "v_cache shape ",
-                   tuple_str(v_cache ? v_cache->sizes() : k_cache.sizes()), " differs from k_cache shape ",
-                   tuple_str(k_cache.sizes()));
-  const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), num_heads_kv = k_cache.size(2);
-  COSA_CHECK_VALUE(page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0, op,
-                   "page size (k_cache.shape[1]) must be a power of two in [16, 256], got ", page_size);
-  COSA_CHECK_VALUE(num_heads_kv > 0 && num_heads_q % num_heads_kv == 0, op, "num_heads_q (", num_heads_q,
-                   ") must be a multiple of num_heads_kv (", num_heads_kv, ")");
-
-  for (const auto& [name, t, dims] : {std::tuple{"page_table", &page_table, 2},
-                                      std::tuple{"cu_seqlens_q", &cu_seqlens_q, 1},
-                                      std::tuple{"seqused_k", &seqused_k, 1}}) {
-    COSA_CHECK_TYPE(t->scalar_type() == at::kInt, op, name, " must be int32, got ", dtype_name(t->scalar_type()));
-    COSA_CHECK_VALUE(t->dim() == dims, op, name, " must be ", dims, "-D, got shape ", tuple_str(t->sizes()));
-  }
-  const int64_t batch = seqused_k.size(0);
-  COSA_CHECK_VALUE(batch >= 1, op, "seqused_k must hold at least one sequence");
-  COSA_CHECK_VALUE(cu_seqlens_q.size(0) == batch + 1, op, "cu_seqlens_q must have batch + 1 = ", batch + 1,
-                   " entries, got ", cu_seqlens_q.size(0));
-  COSA_CHECK_VALUE(page_table.size(0) == batch, op, "page_table must have batch = ", batch, " rows, got ",
-                   page_table.size(0));
-  COSA_CHECK_VALUE(max_seqlen_q >= 1, op, "max_seqlen_q must be a positive int, got ", max_seqlen_q);
-  COSA_CHECK_VALUE(!max_seqlen_k || *max_seqlen_k >= max_seqlen_q, op, "max_seqlen_k must be an int >= max_seqlen_q (",
-                   max_seqlen_q, "), got ", max_seqlen_k.value_or(0));
-
-  // What the kernels' plain-data view (cosa_params.h) needs beyond the contract's shapes.
-  COSA_CHECK_VALUE(num_heads_q > 0, op, "q must have at least one head, got shape ", tuple_str(q.sizes()));
-  check_rows_aligned(op, "q", q);
-  check_rows_aligned(op, "k_cache", k_cache);
-  if (v_cache) check_rows_aligned(op, "v_cache", *v_cache);
-  COSA_CHECK_VALUE(page_table.size(1) <= 1 || page_table.stride(1) == 1, op,
-                   "page_table rows must be contiguous (stride 1 along dim 1), got strides ",
-                   tuple_str(page_table.strides()));
-  COSA_CHECK_VALUE(cu_seqlens_q.is_contiguous(), op, "cu_seqlens_q must be contiguous");
-  COSA_CHECK_VALUE(seqused_k.is_contiguous(), op, "seqused_k must be contiguous");
-  for (const auto& [name, value] : {std::pair{"total_q (q.shape[0])", total_q},
-                                    std::pair{"num_pages (k_cache.shape[0])", num_pages},
-                                    std::pair{"max_pages (page_table.shape[1])", page_table.size(1)},
-                                    std::pair{"max_seqlen_q", max_seqlen_q},
-                                    std::pair{"max_seqlen_k", max_seqlen_k.value_or(0)}}) {
-    COSA_CHECK_VALUE(value <= kMaxInt, op, name, " = ", value, " exceeds the kernels' int32 range");
-  }
-  return Sizes{batch, total_q, num_heads_q, num_heads_kv, head_dim, num_pages, page_size, page_table.size(1)};
-}
-
-void check_scale(const char* op, std::optional<double> softmax_scale) {
-  COSA_CHECK_VALUE(!softmax_scale || (std::isfinite(*softmax_scale) && *softmax_scale > 0), op,
-                   "softmax_scale must be a finite positive number, got ", float_repr(softmax_scale.value_or(0.0)));
-}
+constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 
 // KAP sorts each list in shared memory (csrc/kap/kap_select_kernel.cuh): 16384 key blocks at most.
 constexpr int64_t kKapMaxSeqlenK = 16384 * kBlock;
 
-void check_kap_args(const char* op, int64_t stride, double top_p, std::optional<double> softmax_scale,
-                    int64_t max_seqlen_k) {
-  COSA_CHECK_VALUE(max_seqlen_k <= kKapMaxSeqlenK, op, "max_seqlen_k = ", max_seqlen_k,
-                   " exceeds the CUDA KAP limit of ", kKapMaxSeqlenK,
-                   " tokens (16384 key blocks, each list sorted in shared memory)");
-  COSA_CHECK_VALUE(stride == 4 || stride == 8 || stride == 16, op, "stride must be 4, 8 or 16 on CUDA, got ",
-                   stride, " (the reference, cosa.reference.kap, accepts any divisor of ", kBlock, ")");
-  COSA_CHECK_VALUE(std::isfinite(top_p) && top_p > 0.0 && top_p <= 1.0, op, "top_p must be in (0, 1], got ",
-                   float_repr(top_p));
-  check_scale(op, softmax_scale);
-}
-
-void check_delta(const char* op, double delta) {
-  COSA_CHECK_VALUE(std::isfinite(delta), op,
-                   "delta must be a finite number (<= 0 disables the in-kernel skip), got ", float_repr(delta));
-}
-
-// Shapes of the block lists given to OSK.
-void check_order_shapes(const char* op, const at::Tensor& q, const at::Tensor& order, const at::Tensor& counts,
-                        int64_t num_q_blocks) {
-  for (const auto& [name, t, dims] : {std::tuple{"order", &order, 3}, std::tuple{"counts", &counts, 2}}) {
-    COSA_CHECK_TYPE(t->scalar_type() == at::kInt, op, name, " must be int32, got ", dtype_name(t->scalar_type()));
-    COSA_CHECK_VALUE(t->device() == q.device(), op, name, " must be on ", q.device(), " like q, got ", t->device());
-    COSA_CHECK_VALUE(t->dim() == dims, op, name, " must be ", dims, "-D, got shape ", tuple_str(t->sizes()));
+// What the kernels and their plain-data view (cosa_params.h) need beyond the contract.
+void check_cuda_limits(const OpArgs& a, const Sizes& s) {
+  const char* op = a.op;
+  COSA_CHECK_VALUE(a.q.is_cuda(), op, "q must be a CUDA tensor, got one on ", a.q.device());
+  COSA_CHECK_VALUE(s.num_heads_q > 0, op, "q must have at least one head, got shape ", tuple_str(a.q.sizes()));
+  if (a.stride) {
+    COSA_CHECK_VALUE(*a.max_seqlen_k <= kKapMaxSeqlenK, op, "max_seqlen_k = ", *a.max_seqlen_k,
+                     " exceeds the CUDA KAP limit of ", kKapMaxSeqlenK,
+                     " tokens (16384 key blocks, each list sorted in shared memory)");
+    COSA_CHECK_VALUE(*a.stride == 4 || *a.stride == 8 || *a.stride == 16, op,
+                     "stride must be 4, 8 or 16 on CUDA, got ", *a.stride,
+                     " (the reference, cosa.reference.kap, accepts any divisor of ", kBlock, ")");
   }
-  const int64_t hq = q.size(1);
-  COSA_CHECK_VALUE(counts.size(0) == hq && counts.size(1) == num_q_blocks, op,
-                   "counts must have shape [num_heads_q, num_q_blocks] = (", hq, ", ", num_q_blocks, "), got ",
-                   tuple_str(counts.sizes()));
-  COSA_CHECK_VALUE(order.size(0) == hq && order.size(1) == num_q_blocks && order.size(2) >= 1, op,
-                   "order must have shape [", hq, ", ", num_q_blocks, ", max_k_blocks], got ",
-                   tuple_str(order.sizes()));
-  COSA_CHECK_VALUE(order.size(2) <= kMaxInt, op, "order's last dim ", order.size(2),
-                   " exceeds the kernels' int32 range");
-  COSA_CHECK_VALUE(order.is_contiguous(), op, "order must be contiguous");
-  COSA_CHECK_VALUE(counts.is_contiguous(), op, "counts must be contiguous");
+  check_rows_aligned(op, "q", a.q);
+  check_rows_aligned(op, "k_cache", a.k_cache);
+  if (a.v_cache) check_rows_aligned(op, "v_cache", *a.v_cache);
+  COSA_CHECK_VALUE(a.page_table.size(1) <= 1 || a.page_table.stride(1) == 1, op,
+                   "page_table rows must be contiguous (stride 1 along dim 1), got strides ",
+                   tuple_str(a.page_table.strides()));
+  COSA_CHECK_VALUE(a.cu_seqlens_q.is_contiguous(), op, "cu_seqlens_q must be contiguous");
+  COSA_CHECK_VALUE(a.seqused_k.is_contiguous(), op, "seqused_k must be contiguous");
+  for (const auto& [name, value] : {std::pair{"total_q (q.shape[0])", s.total_q},
+                                    std::pair{"num_pages (k_cache.shape[0])", s.num_pages},
+                                    std::pair{"max_pages (page_table.shape[1])", s.max_pages},
+                                    std::pair{"max_seqlen_q", *a.max_seqlen_q},
+                                    std::pair{"max_seqlen_k", a.max_seqlen_k.value_or(0)}}) {
+    COSA_CHECK_VALUE(value <= kMaxInt, op, name, " = ", value, " exceeds the kernels' int32 range");
+  }
+  if (a.order) {
+    COSA_CHECK_VALUE(a.order->size(2) <= kMaxInt, op, "order's last dim ", a.order->size(2),
+                     " exceeds the kernels' int32 range");
+    COSA_CHECK_VALUE(a.order->is_contiguous(), op, "order must be contiguous");
+    COSA_CHECK_VALUE(a.counts->is_contiguous(), op, "counts must be contiguous");
+  }
 }
 
-cosa::PagedLayout make_layout(const Sizes& s, const at::Tensor& q, const at::Tensor& k_cache,
-                              const at::Tensor* v_cache, const at::Tensor& page_table,
-                              const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k, int64_t max_seqlen_q,
-                              int64_t max_seqlen_k, int64_t max_k_blocks, std::optional<double> softmax_scale) {
+// The contract, then the kernels' limits; the contents of the index tensors are checked later,
+// on the device (check_device_data).
+Sizes check_cuda_args(const OpArgs& a) {
+  const Sizes s = check_tensors(a);
+  check_scalars(a);
+  check_list_shapes(a, s, *a.max_seqlen_q);
+  check_cuda_limits(a, s);
+  return s;
+}
+
+cosa::PagedLayout make_layout(const Sizes& s, const OpArgs& a, int64_t max_seqlen_k, int64_t max_k_blocks) {
   cosa::PagedLayout l;
-  l.q = q.const_data_ptr();
-  l.q_row_stride = q.stride(0);
-  l.q_head_stride = q.stride(1);
-  l.k_cache = k_cache.const_data_ptr();
-  l.k_page_stride = k_cache.stride(0);
-  l.k_row_stride = k_cache.stride(1);
-  l.k_head_stride = k_cache.stride(2);
-  if (v_cache) {
-    l.v_cache = v_cache->const_data_ptr();
-    l.v_page_stride = v_cache->stride(0);
-    l.v_row_stride = v_cache->stride(1);
-    l.v_head_stride = v_cache->stride(2);
+  l.q = a.q.const_data_ptr();
+  l.q_row_stride = a.q.stride(0);
+  l.q_head_stride = a.q.stride(1);
+  l.k_cache = a.k_cache.const_data_ptr();
+  l.k_page_stride = a.k_cache.stride(0);
+  l.k_row_stride = a.k_cache.stride(1);
+  l.k_head_stride = a.k_cache.stride(2);
+  if (a.v_cache) {
+    l.v_cache = a.v_cache->const_data_ptr();
+    l.v_page_stride = a.v_cache->stride(0);
+    l.v_row_stride = a.v_cache->stride(1);
+    l.v_head_stride = a.v_cache->stride(2);
   }
-  l.page_table = page_table.const_data_ptr<int32_t>();
-  l.page_table_stride = page_table.stride(0);
-  l.cu_seqlens_q = cu_seqlens_q.const_data_ptr<int32_t>();
-  l.seqused_k = seqused_k.const_data_ptr<int32_t>();
+  l.page_table = a.page_table.const_data_ptr<int32_t>();
+  l.page_table_stride = a.page_table.stride(0);
+  l.cu_seqlens_q = a.cu_seqlens_q.const_data_ptr<int32_t>();
+  l.seqused_k = a.seqused_k.const_data_ptr<int32_t>();
   l.batch = static_cast<int>(s.batch);
   l.num_heads_q = static_cast<int>(s.num_heads_q);
   l.num_heads_kv = static_cast<int>(s.num_heads_kv);
@@ -296,123 +571,46 @@ cosa::PagedLayout make_layout(const Sizes& s, const at::Tensor& q, const at::Ten
   l.num_pages = static_cast<int>(s.num_pages);
   l.max_pages_per_seq = static_cast<int>(s.max_pages);
   l.total_q = static_cast<int>(s.total_q);
-  l.max_seqlen_q = static_cast<int>(max_seqlen_q);
+  l.max_seqlen_q = static_cast<int>(*a.max_seqlen_q);
   l.max_seqlen_k = static_cast<int>(max_seqlen_k);
-  l.num_q_blocks = static_cast<int>(num_q_blocks_bound(s.total_q, s.batch, max_seqlen_q));
+  l.num_q_blocks = static_cast<int>(num_q_blocks_bound(s.total_q, s.batch, *a.max_seqlen_q));
   l.max_k_blocks = static_cast<int>(max_k_blocks);
-  l.dtype = q.scalar_type() == at::kBFloat16 ? cosa::DType::kBFloat16 : cosa::DType::kFloat16;
-  l.softmax_scale = static_cast<float>(softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
+  l.dtype = a.q.scalar_type() == at::kBFloat16 ? cosa::DType::kBFloat16 : cosa::DType::kFloat16;
+  l.softmax_scale = static_cast<float>(a.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   return l;
 }
 
-// The diagonal key block of packed query block g (-1 for a padding row), from host copies of the
-// lengths: only needed to word an error message.
-int64_t diagonal_block(const std::vector<int64_t>& cu, const std::vector<int64_t>& lk, int64_t g) {
-  int64_t first_row = 0;
-  for (size_t b = 0; b < lk.size(); ++b) {
-    const int64_t lq = cu[b + 1] - cu[b], nq = ceil_div(std::max<int64_t>(lq, 0), kBlock);
-    if (g < first_row + nq) return (lk[b] - lq) / kBlock + (g - first_row);
-    first_row += nq;
-  }
-  return -1;
-}
-
-[[noreturn]] void fail_value(const char* op, const std::string& text) {
-  TORCH_CHECK_VALUE(false, message("cosa.", op, ": ", text));
-  std::abort();  // unreachable: TORCH_CHECK_VALUE(false, ...) always throws
-}
-
-std::vector<int64_t> to_host(const at::Tensor& t) {
-  const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
-  return {host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + host.numel()};
-}
-
-// The contract's conditions on the lengths and the page table (spec section 1) and, for the
-// standalone OSK op, on the block lists: every listed block must be a causal candidate of its
-// query block, so that OSK never reads outside a sequence's pages. One kernel pass on the device
-// (csrc/checks/) and one read-back of kNumInputChecks integers; the values that word a message
-// are fetched only when a check failed. Skipped while the current stream captures a CUDA graph
-// (reading device data is not allowed then).
-// COSA_DEVICE_CHECKS=0 in the environment turns these checks off (read on every call, so that
-// cosa.set_device_checks can flip it at run time): for callers whose index tensors are right by
-// construction and who cannot pay the host synchronisation. The checks on shapes, dtypes and
-// devices above always run.
-bool device_checks_enabled() {
-  const char* value = std::getenv("COSA_DEVICE_CHECKS");
-  return value == nullptr || std::string_view(value) != "0";
-}
-
-void check_device_data(const char* op, const cosa::PagedLayout& layout, const at::Tensor& q,
-                       const at::Tensor& page_table, const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k,
-                       bool check_max_seqlen_k, const at::Tensor* order, const at::Tensor* counts) {
-  if (!device_checks_enabled()) return;
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
-  at::Tensor report = at::empty({cosa::kNumInputChecks}, q.options().dtype(at::kLong));
+// The contents of the index tensors, checked on the device: one kernel pass (csrc/checks/) and one
+// read-back of kNumInputChecks integers. Only when a check failed are the tensors copied to the
+// host, where the contract's own checks (check_lengths_data, check_lists_data) find the failure
+// and word it, so that the message is the one every other path gives. Skipped while the current
+// stream captures a CUDA graph (reading device data is not allowed then) and while this thread's
+// device checks are off.
+void check_device_data(const OpArgs& a, const Sizes& s, const cosa::PagedLayout& layout) {
+  if (!device_checks_enabled() || capturing_cuda_graph(a.q)) return;
+  at::Tensor report = at::empty({cosa::kNumInputChecks}, a.q.options().dtype(at::kLong));
   cosa::InputCheckParams params;
   params.layout = layout;
-  params.check_max_seqlen_k = check_max_seqlen_k;
+  params.check_max_seqlen_k = a.max_seqlen_k.has_value();
   params.report = reinterpret_cast<unsigned long long*>(report.mutable_data_ptr<int64_t>());
-  if (order) {
-    params.order = order->const_data_ptr<int32_t>();
-    params.counts = counts->const_data_ptr<int32_t>();
-    params.order_row_len = static_cast<int>(order->size(2));
+  if (a.order) {
+    params.order = a.order->const_data_ptr<int32_t>();
+    params.counts = a.counts->const_data_ptr<int32_t>();
+    params.order_row_len = static_cast<int>(a.order->size(2));
   }
   const cudaError_t error = cosa::run_input_checks(params, at::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(error == cudaSuccess, message("cosa.", op, ": the input checks failed to launch: ",
+  TORCH_CHECK(error == cudaSuccess, message("cosa.", a.op, ": the input checks failed to launch: ",
                                             cudaGetErrorString(error)));
   const at::Tensor host = report.cpu();  // the one host synchronisation
   const auto* keys = reinterpret_cast<const uint64_t*>(host.const_data_ptr<int64_t>());
   constexpr uint64_t kPassed = ~uint64_t{0};
   if (std::all_of(keys, keys + cosa::kNumInputChecks, [](uint64_t k) { return k == kPassed; })) return;
-
-  const std::vector<int64_t> cu = to_host(cu_seqlens_q), lk = to_host(seqused_k);
-  const int64_t batch = layout.batch;
-  const auto fail = [op](const std::string& text) { fail_value(op, text); };
-  if (const uint64_t key = keys[cosa::kCheckLengths]; key != kPassed) {
-    if (key == 0) {
-      fail(message("cu_seqlens_q must start at 0 and end at total_q = ", layout.total_q, ", got ", cu[0], " .. ",
-                   cu[batch]));
-    }
-    if (key <= static_cast<uint64_t>(batch)) {
-      const int64_t b = static_cast<int64_t>(key) - 1;
-      fail(message("cu_seqlens_q must be non-decreasing, got ", cu[b], " then ", cu[b + 1], " at index ", b));
-    }
-    const int64_t b = static_cast<int64_t>(key - 1 - batch) / 5, condition = static_cast<int64_t>(key - 1 - batch) % 5;
-    const int64_t lq = cu[b + 1] - cu[b];
-    switch (condition) {
-      case 0: fail(message("sequence ", b, " has ", lq, " queries, more than max_seqlen_q = ", layout.max_seqlen_q));
-      case 1: fail(message("seqused_k[", b, "] = ", lk[b], " is shorter than the sequence's ", lq, " queries"));
-      case 2: fail(message("seqused_k[", b, "] = ", lk[b], " exceeds max_seqlen_k = ", layout.max_seqlen_k));
-      case 3:
-        fail(message("the cached prefix of sequence ", b, " (seqused_k - query length = ", lk[b] - lq,
-                     ") must be a multiple of ", kBlock));
-      default:
-        fail(message("seqused_k[", b, "] = ", lk[b], " exceeds page_table's capacity of ",
-                     int64_t{layout.max_pages_per_seq} * layout.page_size, " tokens"));
-    }
-  }
-  if (const uint64_t key = keys[cosa::kCheckPages]; key != kPassed) {
-    const int64_t b = static_cast<int64_t>(key) / layout.max_pages_per_seq;
-    const int64_t page = static_cast<int64_t>(key) % layout.max_pages_per_seq;
-    fail(message("page_table[", b, ", ", page, "] = ", page_table[b][page].item<int64_t>(), " is outside the cache's ",
-                 layout.num_pages, " pages"));
-  }
-  const int64_t rows = layout.num_q_blocks, row_len = params.order_row_len;
-  if (const uint64_t key = keys[cosa::kCheckCountRange]; key != kPassed) {
-    const int64_t h = static_cast<int64_t>(key) / rows, g = static_cast<int64_t>(key) % rows;
-    fail(message("counts[", h, ", ", g, "] = ", (*counts)[h][g].item<int64_t>(), " is outside [0, ",
-                 diagonal_block(cu, lk, g) + 1, "]"));
-  }
-  if (const uint64_t key = keys[cosa::kCheckCountRow]; key != kPassed) {
-    const int64_t h = static_cast<int64_t>(key) / rows, g = static_cast<int64_t>(key) % rows;
-    fail(message("counts[", h, ", ", g, "] = ", (*counts)[h][g].item<int64_t>(), " exceeds order's row length ",
-                 row_len));
-  }
-  const uint64_t key = keys[cosa::kCheckOrder];
-  const int64_t row = static_cast<int64_t>(key) / row_len, k = static_cast<int64_t>(key) % row_len;
-  const int64_t h = row / rows, g = row % rows;
-  fail(message("order[", h, ", ", g, ", ", k, "] = ", (*order)[h][g][k].item<int64_t>(),
-               " is not a causal block of its query block (0..", diagonal_block(cu, lk, g), ")"));
+  const IndexData d = read_index_data(a);
+  check_lengths_data(a, s, d);
+  check_lists_data(a, s, d, *a.max_seqlen_q);
+  TORCH_CHECK(false, message("cosa.", a.op, ": the device checks of the index tensors failed (report keys ", keys[0],
+                             ", ", keys[1], ", ", keys[2], ", ", keys[3], ", ", keys[4],
+                             ") but their host copies pass the same checks"));
 }
 
 void check_launch(const char* op, const char* kernel, cudaError_t error) {
@@ -441,10 +639,14 @@ std::tuple<at::Tensor, at::Tensor> launch_kap(const char* op, const cosa::PagedL
   return {order, counts};
 }
 
+cosa::VoteScope vote_scope(c10::string_view vote) {
+  return vote == "tile" ? cosa::VoteScope::kTile : cosa::VoteScope::kWarpgroup;  // checked by check_scalars
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_osk(const char* op, const cosa::PagedLayout& layout,
                                                           const at::Tensor& q, const at::Tensor& order,
                                                           const at::Tensor& counts, double delta,
-                                                          cudaStream_t stream) {
+                                                          c10::string_view vote, cudaStream_t stream) {
   at::Tensor out = at::empty({layout.total_q, layout.num_heads_q, layout.head_dim}, q.options());
   at::Tensor lse = at::empty({layout.num_heads_q, layout.total_q}, q.options().dtype(at::kFloat));
   at::Tensor skipped = at::empty({layout.num_heads_q, layout.num_q_blocks}, q.options().dtype(at::kInt));
@@ -453,6 +655,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_osk(const char* op, const 
   params.order = order.const_data_ptr<int32_t>();
   params.counts = counts.const_data_ptr<int32_t>();
   params.delta = static_cast<float>(delta);
+  params.vote = vote_scope(vote);
   params.out = out.mutable_data_ptr();
   params.out_row_stride = out.stride(0);
   params.out_head_stride = out.stride(1);
@@ -466,17 +669,13 @@ std::tuple<at::Tensor, at::Tensor> kap_cuda(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& page_table, const at::Tensor& cu_seqlens_q,
                                             const at::Tensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                                             int64_t stride, double top_p, std::optional<double> softmax_scale) {
-  const char* op = "kap";
-  const Sizes s = check_layout(op, q, k_cache, nullptr, page_table, cu_seqlens_q, seqused_k, max_seqlen_q,
-                               max_seqlen_k);
-  check_kap_args(op, stride, top_p, softmax_scale, max_seqlen_k);
+  const OpArgs a{"kap", q, k_cache, nullptr, page_table, cu_seqlens_q, seqused_k, nullptr, nullptr, max_seqlen_q,
+                 max_seqlen_k, stride, top_p, softmax_scale, std::nullopt, std::nullopt};
+  const Sizes s = check_cuda_args(a);
   const c10::cuda::CUDAGuard device_guard(q.device());
-  const cosa::PagedLayout layout = make_layout(s, q, k_cache, nullptr, page_table, cu_seqlens_q, seqused_k,
-                                               max_seqlen_q, max_seqlen_k, ceil_div(max_seqlen_k, kBlock),
-                                               softmax_scale);
-  check_device_data(op, layout, q, page_table, cu_seqlens_q, seqused_k, /*check_max_seqlen_k=*/true, nullptr,
-                    nullptr);
-  return launch_kap(op, layout, q, stride, top_p, at::cuda::getCurrentCUDAStream().stream());
+  const cosa::PagedLayout layout = make_layout(s, a, max_seqlen_k, ceil_div(max_seqlen_k, kBlock));
+  check_device_data(a, s, layout);
+  return launch_kap(a.op, layout, q, stride, top_p, at::cuda::getCurrentCUDAStream().stream());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> osk_cuda(const at::Tensor& q, const at::Tensor& k_cache,
@@ -484,44 +683,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> osk_cuda(const at::Tensor& q, con
                                                         const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k,
                                                         const at::Tensor& order, const at::Tensor& counts,
                                                         int64_t max_seqlen_q, std::optional<double> softmax_scale,
-                                                        double delta) {
-  const char* op = "osk";
-  const Sizes s = check_layout(op, q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q,
-                               std::nullopt);
-  check_scale(op, softmax_scale);
-  check_delta(op, delta);
-  check_order_shapes(op, q, order, counts, num_q_blocks_bound(s.total_q, s.batch, max_seqlen_q));
+                                                        double delta, c10::string_view vote) {
+  const OpArgs a{"osk", q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k, &order, &counts, max_seqlen_q,
+                 std::nullopt, std::nullopt, std::nullopt, softmax_scale, delta, vote};
+  const Sizes s = check_cuda_args(a);
   const c10::cuda::CUDAGuard device_guard(q.device());
-  // OSK takes no max_seqlen_k: the page table's capacity bounds every KV length (checked below),
-  // and order's last dim is the row length of the lists.
+  // OSK takes no max_seqlen_k: the page table's capacity bounds every KV length (checked on the
+  // device), and order's last dim is the row length of the lists.
   const int64_t kv_capacity = std::min(s.max_pages * s.page_size, kMaxInt);
-  const cosa::PagedLayout layout = make_layout(s, q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k,
-                                               max_seqlen_q, kv_capacity, order.size(2), softmax_scale);
-  check_device_data(op, layout, q, page_table, cu_seqlens_q, seqused_k, /*check_max_seqlen_k=*/false, &order,
-                    &counts);
-  return launch_osk(op, layout, q, order, counts, delta, at::cuda::getCurrentCUDAStream().stream());
+  const cosa::PagedLayout layout = make_layout(s, a, kv_capacity, order.size(2));
+  check_device_data(a, s, layout);
+  return launch_osk(a.op, layout, q, order, counts, delta, vote, at::cuda::getCurrentCUDAStream().stream());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& page_table,
     const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    int64_t stride, double top_p, std::optional<double> softmax_scale, double delta) {
-  const char* op = "prefill";
-  const Sizes s = check_layout(op, q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q,
-                               max_seqlen_k);
-  check_kap_args(op, stride, top_p, softmax_scale, max_seqlen_k);
-  check_delta(op, delta);
+    int64_t stride, double top_p, std::optional<double> softmax_scale, double delta, c10::string_view vote) {
+  const OpArgs a{"prefill", q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k, nullptr, nullptr,
+                 max_seqlen_q, max_seqlen_k, stride, top_p, softmax_scale, delta, vote};
+  const Sizes s = check_cuda_args(a);
   const c10::cuda::CUDAGuard device_guard(q.device());
-  const cosa::PagedLayout layout = make_layout(s, q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k,
-                                               max_seqlen_q, max_seqlen_k, ceil_div(max_seqlen_k, kBlock),
-                                               softmax_scale);
-  check_device_data(op, layout, q, page_table, cu_seqlens_q, seqused_k, /*check_max_seqlen_k=*/true, nullptr,
-                    nullptr);
+  const cosa::PagedLayout layout = make_layout(s, a, max_seqlen_k, ceil_div(max_seqlen_k, kBlock));
+  check_device_data(a, s, layout);
   // KAP then OSK on one stream, the host never waiting in between; the lists that KAP just wrote
   // satisfy the contract by construction, so they are not checked again.
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  auto [order, counts] = launch_kap(op, layout, q, stride, top_p, stream);
-  auto [out, lse, skipped] = launch_osk(op, layout, q, order, counts, delta, stream);
+  auto [order, counts] = launch_kap(a.op, layout, q, stride, top_p, stream);
+  auto [out, lse, skipped] = launch_osk(a.op, layout, q, order, counts, delta, vote, stream);
   return {out, lse, order, counts, skipped};
 }
 

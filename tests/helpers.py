@@ -1,5 +1,7 @@
 """Shared helpers of the tests."""
 
+import math
+
 import torch
 
 from cosa import reference as R
@@ -52,3 +54,27 @@ def permute_lists(order, counts, generator):
             n = int(counts[h, g])
             order[h, g, :n] = order[h, g, :n][torch.randperm(n, generator=generator)]
     return order
+
+
+def row_errors(got, expect):
+    """The largest absolute error of every row (all dims but the last), ``got`` against ``expect``.
+    NaN counts as a value: a row whose NaN entries are where ``expect`` has them scores 0 on those
+    entries, a row that has a NaN where ``expect`` has none (or lacks one it has) scores inf."""
+    got, expect = got.double(), expect.double()
+    nan_got, nan_expect = got.isnan(), expect.isnan()
+    diff = (got - expect).abs().masked_fill(nan_got & nan_expect, 0.0).masked_fill(nan_got != nan_expect, math.inf)
+    return diff.amax(-1)
+
+
+def assert_rows_close(got, expect, atol, rtol=0.0, what="output"):
+    """Every row of ``got`` within ``atol + rtol * (that row's largest |expect|)`` of ``expect``
+    (NaN where and only where ``expect`` has NaN); the message names the worst row."""
+    assert got.shape == expect.shape, f"{what}: shape {tuple(got.shape)} != {tuple(expect.shape)}"
+    errors = row_errors(got, expect)
+    scale = expect.double().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().amax(-1)
+    excess = errors - (atol + rtol * scale)
+    if bool((excess > 0).any()):
+        worst = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
+        raise AssertionError(f"{what}: {int((excess > 0).sum())} of {excess.numel()} rows differ; worst row {worst}: "
+                             f"error {float(errors[worst]):.3e}, got {got[worst][:4].tolist()}..., "
+                             f"expected {expect[worst][:4].tolist()}...")

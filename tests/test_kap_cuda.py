@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from cosa import defaults
 from cosa import reference as R
 from cosa.testing import random_problem
 
@@ -34,7 +35,7 @@ def layout(p):
             p["max_seqlen_k"])
 
 
-def kap(ops, p, stride, top_p=0.95, softmax_scale=None):
+def kap(ops, p, stride, top_p=defaults.TOP_P, softmax_scale=None):
     order, counts = ops.kap(*layout(p), stride, top_p, softmax_scale)
     torch.cuda.synchronize()
     return order, counts
@@ -101,7 +102,7 @@ def assert_shapes(p, order, counts):
     assert counts.shape == (hq, nqb) and counts.dtype == torch.int32
 
 
-def assert_identical(ops, p, stride, top_p=0.95):
+def assert_identical(ops, p, stride, top_p=defaults.TOP_P):
     order, counts = kap(ops, p, stride, top_p)
     ref_order, ref_counts = R.kap(*layout(p), stride=stride, top_p=top_p)
     assert_shapes(p, order, counts)
@@ -109,7 +110,7 @@ def assert_identical(ops, p, stride, top_p=0.95):
     assert same.all(), f"{int((~same).sum())} of {same.numel()} lists differ from the reference"
 
 
-def assert_valid(ops, p, stride, top_p=0.95, max_invalid_fraction=0.0):
+def assert_valid(ops, p, stride, top_p=defaults.TOP_P, max_invalid_fraction=0.0):
     order, counts = kap(ops, p, stride, top_p)
     assert_shapes(p, order, counts)
     assert_padding(p, order, counts)
@@ -219,7 +220,7 @@ def test_cuda_graph_capture(ops):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = ops.kap(*layout(p), 8, 0.95, None)
+        captured = ops.kap(*layout(p), 8, defaults.TOP_P, None)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])

@@ -3,15 +3,17 @@
 The bad-input cases run on the CPU here and on the GPU (CUDA binding) with the `gpu` marker."""
 
 import math
+import re
 
 import pytest
 import torch
 
 import cosa
+from cosa import defaults
 from cosa import reference as R
 from cosa.testing import random_problem
 
-from helpers import dense_order, layout_args, rel_err, run_dense, run_kap, run_osk
+from helpers import assert_rows_close, dense_order, layout_args, rel_err, run_dense, run_kap, run_osk
 
 
 def small_problem(device="cpu", **kw):
@@ -70,7 +72,7 @@ def test_sparse_attention_is_prefill_on_a_contiguous_layout(ops):
         vv = v[b].repeat_interleave(2, 1).transpose(0, 1).float()
         mask = torch.arange(258)[None, :] <= (128 + torch.arange(130))[:, None]
         expect = torch.nn.functional.scaled_dot_product_attention(q[b].transpose(0, 1).float(), kk, vv, attn_mask=mask)
-        assert rel_err(out[b].transpose(0, 1), expect) < 1e-2
+        assert_rows_close(out[b].transpose(0, 1), expect, atol=2e-2)
 
 
 def test_fake_kernels_trace_under_torch_compile(ops):
@@ -161,7 +163,7 @@ def test_bad_layout_is_a_clear_error(ops, device, case):
 def test_bad_tuning_argument_is_a_clear_error(ops, device, case):
     _, kwargs, exc, text = case
     p = small_problem(device=device)
-    args = dict(stride=8, top_p=0.95, softmax_scale=None, delta=2000.0)
+    args = dict(stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=None, delta=defaults.DELTA)
     args.update(kwargs)
     with pytest.raises(exc, match=f"cosa.prefill: {text}"):
         ops.prefill(*prefill_args(p), args["stride"], args["top_p"], args["softmax_scale"], args["delta"])
@@ -234,3 +236,230 @@ def test_sparse_attention_checks_the_prefix_on_the_host(ops, device):
     with pytest.raises(ValueError, match="cosa.sparse_attention: the cached prefix Sk - Sq = 100 must be a multiple of 128"):
         cosa.sparse_attention(q, k, k)
     assert cosa.sparse_attention(q, k[:, :130], k[:, :130]).shape == q.shape
+
+
+# --- one argument contract: every path, the same errors ------------------------------------------
+
+
+@pytest.mark.parametrize("case", BAD_LAYOUT, ids=[c[0] for c in BAD_LAYOUT])
+def test_the_wrapper_raises_the_ops_error(ops, case):
+    """cosa.prefill (max lengths given) raises what torch.ops.cosa.prefill raises: one contract."""
+    _, mutate, exc, text = case
+    p = small_problem()
+    mutate(p)
+    with pytest.raises(exc, match="cosa.prefill: .*" + text.replace("[", r"\[").replace("(", r"\(")):
+        cosa.prefill(*prefill_args(p))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k"])
+@pytest.mark.parametrize("other", ["meta", "cpu"])
+def test_mixed_devices_are_refused_naming_both(ops, device, name, other):
+    """A tensor on another device than q, 'meta' included (the dispatcher sends such a call to the
+    fake kernel, which used to return uninitialised memory), through the op and the wrapper."""
+    if other == device:
+        pytest.skip("same device")
+    p = small_problem(device=device)
+    p[name] = p[name].to(other)
+    message = f"cosa.prefill: {name} must be on {p['q'].device} like q, got {other}"
+    with pytest.raises(ValueError, match=message):
+        ops.prefill(*prefill_args(p))
+    with pytest.raises(ValueError, match=message):
+        cosa.prefill(*prefill_args(p)[:6])  # max lengths derived: refused before any is read
+
+
+def test_mixed_devices_are_refused_by_osk_and_kap(ops):
+    p = small_problem()
+    order, counts = dense_order(p)
+    base = (p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"])
+    with pytest.raises(ValueError, match="cosa.osk: order must be on cpu like q, got meta"):
+        ops.osk(*base, order.to("meta"), counts, p["max_seqlen_q"])
+    with pytest.raises(ValueError, match="cosa.osk: counts must be on cpu like q, got meta"):
+        cosa.osk(*base, order, counts.to("meta"))
+    with pytest.raises(ValueError, match="cosa.kap: k_cache must be on meta like q, got cpu"):
+        ops.kap(p["q"].to("meta"), *layout_args(p)[1:])
+    with pytest.raises(ValueError, match="cosa.sparse_attention: v must be on cpu like q, got meta"):
+        q = torch.zeros(1, 128, 2, 64, dtype=torch.bfloat16)
+        cosa.sparse_attention(q, q, q.to("meta"))
+
+
+def test_all_meta_tensors_still_give_shapes(ops):
+    """The fake kernels' checks refuse mixed devices, not 'meta' itself."""
+    p = small_problem()
+    meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in prefill_args(p)]
+    out, lse, order, counts, skipped = ops.prefill(*meta)
+    assert out.device.type == "meta" and out.shape == p["q"].shape and counts.shape == skipped.shape
+
+
+def _wrapper_calls(p):
+    """Each wrapper of the API with the problem's arguments, max lengths derived."""
+    order, counts = dense_order(p)
+    layout = dict(q=p["q"], k_cache=p["k_cache"], page_table=p["page_table"], cu_seqlens_q=p["cu_seqlens_q"],
+                  seqused_k=p["seqused_k"])
+    return {
+        "kap": lambda **kw: cosa.kap(**{**layout, **kw}),
+        "osk": lambda **kw: cosa.osk(**{**layout, "v_cache": p["v_cache"], "order": order, "counts": counts, **kw}),
+        "prefill": lambda **kw: cosa.prefill(**{**layout, "v_cache": p["v_cache"], **kw}),
+    }
+
+
+WRONG_TYPES = [  # (argument, value, wrappers that take it, expected type's words)
+    ("stride", 8.0, ("kap", "prefill"), "an int"),
+    ("stride", True, ("kap", "prefill"), "an int"),
+    ("top_p", "0.9", ("kap", "prefill"), "a real number"),
+    ("top_p", True, ("kap", "prefill"), "a real number"),
+    ("softmax_scale", "0.1", ("kap", "osk", "prefill"), "a real number or None"),
+    ("delta", "2000", ("osk", "prefill"), "a real number"),
+    ("vote", 1, ("osk", "prefill"), "a str"),
+    ("max_seqlen_q", 300.0, ("kap", "osk", "prefill"), "an int or None"),
+    ("max_seqlen_k", "328", ("kap", "prefill"), "an int or None"),
+    ("page_table", [[0, 1]], ("kap", "osk", "prefill"), "a torch.Tensor"),
+    ("cu_seqlens_q", None, ("kap", "osk", "prefill"), "a torch.Tensor"),
+    ("seqused_k", [328, 77], ("kap", "osk", "prefill"), "a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("case", WRONG_TYPES, ids=[f"{c[0]}={c[1]!r}" for c in WRONG_TYPES])
+def test_wrong_python_types_are_a_type_error_naming_the_argument(ops, case):
+    name, value, wrappers, expected = case
+    calls = _wrapper_calls(small_problem())
+    for op in wrappers:
+        with pytest.raises(TypeError, match=f"cosa.{op}: {name} must be {expected}, got "):
+            calls[op](**{name: value})
+
+
+def test_numpy_and_int_values_of_the_right_kind_are_accepted(ops):
+    np = pytest.importorskip("numpy")
+    p = small_problem()
+    expected = cosa.prefill(*prefill_args(p)[:6], stride=8, top_p=0.9, delta=100.0)
+    got = cosa.prefill(*prefill_args(p)[:6], stride=np.int64(8), top_p=np.float32(0.9), delta=100)
+    assert torch.equal(got, expected)
+
+
+def _ints_on(p, values):
+    return torch.tensor(values, dtype=torch.int32, device=p["q"].device)
+
+
+BAD_DERIVED = [  # max lengths left to the wrapper: the contract refuses these before any is derived
+    ("empty_batch", dict(seqused_k=lambda p: _ints_on(p, []), cu_seqlens_q=lambda p: _ints_on(p, [0])),
+     "seqused_k must hold at least one sequence"),
+    ("cu_seqlens_short", dict(cu_seqlens_q=lambda p: _ints_on(p, [0, 277])), "cu_seqlens_q must have batch + 1 = 3"),
+    ("cu_seqlens_2d", dict(cu_seqlens_q=lambda p: _ints_on(p, [[0, 200, 277]])), "cu_seqlens_q must be 1-D"),
+    ("cu_seqlens_int64", dict(cu_seqlens_q=lambda p: p["cu_seqlens_q"].long()), "cu_seqlens_q must be int32"),
+    ("cu_seqlens_decreasing", dict(cu_seqlens_q=lambda p: _ints_on(p, [0, 300, 277])),
+     "cu_seqlens_q must be non-decreasing, got 300 then 277 at index 1"),
+    ("cu_seqlens_start", dict(cu_seqlens_q=lambda p: _ints_on(p, [5, 200, 277])),
+     "cu_seqlens_q must start at 0 and end at total_q = 277, got 5 .. 277"),
+    ("kv_shorter", dict(seqused_k=lambda p: _ints_on(p, [328, 10])), "seqused_k[1] = 10 is shorter"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_DERIVED, ids=[c[0] for c in BAD_DERIVED])
+def test_wrappers_check_the_lengths_before_deriving_max_lengths(ops, case):
+    _, changes, text = case
+    p = small_problem()
+    for name, make in changes.items():
+        p[name] = make(p)
+    for op, call in _wrapper_calls(small_problem()).items():
+        with pytest.raises((ValueError, TypeError), match=f"cosa.{op}: " + re.escape(text)):
+            call(**{name: p[name] for name in changes})
+
+
+def test_a_batch_without_queries_is_refused_in_the_callers_terms(ops):
+    """One sequence of 0 queries: the wrapper derives max_seqlen_q = 0, and says so in terms of the
+    arguments it was given (cu_seqlens_q), not of max_seqlen_q."""
+    q = torch.zeros(0, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)
+    page_table = torch.arange(8, dtype=torch.int32)[None]
+    message = "cosa.prefill: cu_seqlens_q must hold at least one query token, got (0, 0)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cosa.prefill(q, cache, cache, page_table, torch.tensor([0, 0], dtype=torch.int32),
+                     torch.tensor([128], dtype=torch.int32))
+
+
+def test_check_args_derives_the_max_lengths(ops):
+    p = small_problem()
+    layout = (p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"])
+    assert ops.check_args("prefill", *layout, v_cache=p["v_cache"]) == (200, 328)
+    assert ops.check_args("kap", *layout, max_seqlen_q=300) == (300, 328)  # max_seqlen_k >= max_seqlen_q
+    assert ops.check_args("kap", *layout, max_seqlen_q=300, max_seqlen_k=400) == (300, 400)
+
+
+def test_the_defaults_have_one_source(ops):
+    """The schemas (compiled from cosa/defaults.py by setup.py), the wrappers and the reference
+    all hold cosa.defaults' values: a stale build or a second copy fails here."""
+    import inspect
+
+    expected = dict(stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
+                    delta=defaults.DELTA, vote=defaults.VOTE)
+    for op in (ops.kap, ops.osk, ops.prefill):
+        for argument in op.default._schema.arguments:
+            if argument.name in expected:
+                assert argument.default_value == pytest.approx(expected[argument.name]), (op, argument.name)
+    for fn in (cosa.kap, cosa.osk, cosa.prefill, cosa.sparse_attention, R.kap, R.osk, R.kap_scores):
+        for name, parameter in inspect.signature(fn).parameters.items():
+            if name in expected:
+                assert parameter.default == expected[name], (fn.__name__, name)
+
+
+# --- the device checks setting -------------------------------------------------------------------
+
+
+def test_device_checks_setting_is_per_thread(ops):
+    """Turning the checks off in one thread leaves another thread's calls checked; the context
+    manager restores the previous setting."""
+    import threading
+
+    assert cosa.device_checks_enabled()
+    seen = {}
+    entered, release = threading.Event(), threading.Event()
+
+    def other_thread():
+        entered.wait()
+        seen["other"] = cosa.device_checks_enabled()
+        release.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with cosa.set_device_checks(False):
+        assert not cosa.device_checks_enabled()
+        entered.set()
+        release.wait()
+    thread.join()
+    assert seen["other"] is True
+    assert cosa.device_checks_enabled()
+    with pytest.raises(TypeError, match="cosa.set_device_checks: enabled must be a bool"):
+        cosa.set_device_checks(0)
+
+
+def test_the_environment_sets_the_process_default_at_start_up(tmp_path):
+    """COSA_DEVICE_CHECKS=0 at start-up turns the checks off for every thread; changing the
+    environment later does nothing (the setting is no longer read per call)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import os, threading, cosa\n"
+              "t = []\n"
+              "th = threading.Thread(target=lambda: t.append(cosa.device_checks_enabled())); th.start(); th.join()\n"
+              "os.environ['COSA_DEVICE_CHECKS'] = '1'\n"
+              "print(cosa.device_checks_enabled(), t[0])\n")
+    env = dict(os.environ, COSA_DEVICE_CHECKS="0")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.gpu
+def test_sparse_attention_does_not_synchronise(ops):
+    """Its index tensors are right by construction: it turns this thread's device checks off for its
+    own call (and back on after), so the transformers integration costs no host synchronisation."""
+    q = torch.randn(1, 256, 4, 64, device="cuda").bfloat16()
+    k = torch.randn(1, 384, 2, 64, device="cuda").bfloat16()
+    cosa.sparse_attention(q, k, k)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cosa.sparse_attention(q, k, k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cosa.device_checks_enabled()

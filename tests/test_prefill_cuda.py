@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import cosa
+from cosa import defaults
 from cosa import reference as R
 from cosa.testing import random_problem
 
@@ -23,8 +24,9 @@ def problem(**kw):
 
 def prefill(p, **kw):
     return torch.ops.cosa.prefill(p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"],
-                                  p["seqused_k"], p["max_seqlen_q"], p["max_seqlen_k"], kw.get("stride", 8),
-                                  kw.get("top_p", 0.95), None, kw.get("delta", 2000.0))
+                                  p["seqused_k"], p["max_seqlen_q"], p["max_seqlen_k"],
+                                  kw.get("stride", defaults.STRIDE), kw.get("top_p", defaults.TOP_P), None,
+                                  kw.get("delta", defaults.DELTA))
 
 
 def test_prefill_matches_osk_reference_on_its_own_lists(ops):
