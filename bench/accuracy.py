@@ -21,10 +21,10 @@ Methods (prefill only; decoding is always dense):
   cosa         KAP + OSK with the in-kernel skip (--top-p, --delta, --stride)
   kap          KAP + OSK without the skip (delta 0)
   xattention, flexprefill, meanpool
-               the peers' masks (cosa.proxies) turned into ascending lists and run by OSK, no skip
+               the peers' masks (bench/proxies.py) turned into ascending lists and run by OSK, no skip
 Matched budgets (``--match cosa``, the default when cosa runs): each peer keeps, per layer and per
 query block, the number of blocks that gives CoSA's realised budget of that layer on the same
-prompt (cosa.proxies.budget_mask over the peer's scores). ``--match none`` runs each peer with its
+prompt (proxies.budget_mask over the peer's scores). ``--match none`` runs each peer with its
 own threshold; ``--match 0.2`` fixes one budget for all.
 
     python bench/accuracy.py --model DIR|FILE.gguf [--lengths 4096 8192 16384 32768] [--samples 10]
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (add_run_arguments, argument_parser, format_table, progress, resolve_device,  # noqa: E402
                     save_figure, start_run, write_json)
 
-from cosa import proxies  # noqa: E402
+import proxies  # noqa: E402
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 METHODS = ("dense", "cosa", "kap", "xattention", "flexprefill", "meanpool")
@@ -459,27 +459,46 @@ def plot(summary: list[dict], path: Path) -> bool:
 def parse_args(argv=None):
     p = argument_parser(__doc__)
     p.add_argument("--model", required=True, help="a model directory or a .gguf file")
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    p.add_argument("--samples", type=int, default=10, help="samples per task and length")
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {','.join(TASKS)} (empty: none)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {','.join(METHODS)}")
-    p.add_argument("--ppl-samples", type=int, default=2, help="perplexity windows per length (0: none)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768],
+                   help="prompt lengths in tokens, one run of every task and perplexity window at each "
+                        "(default 4096 8192 16384 32768)")
+    p.add_argument("--samples", type=int, default=10, help="prompts per task and length (default 10)")
+    p.add_argument("--tasks", default=",".join(TASKS),
+                   help=f"comma-separated, of {','.join(TASKS)} (default all; empty: none)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated, of {','.join(METHODS)} (default all)")
+    p.add_argument("--ppl-samples", type=int, default=2, help="perplexity windows per length (0: none; default 2)")
     p.add_argument("--haystack-dir", default=None, help="folder of .txt files (default: synthetic filler)")
     p.add_argument("--ppl-dir", default=None, help="folder of .txt files for perplexity (default: the haystack)")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--delta", type=float, default=2000.0)
-    p.add_argument("--stride", type=int, default=8)
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="KAP's top-p, the share of the proxy mass its lists keep (cosa and kap; default 0.95)")
+    p.add_argument("--delta", type=float, default=2000.0,
+                   help="OSK's skip threshold for cosa (<= 0: no in-kernel skip; kap and the peers always "
+                        "run without it; default 2000)")
+    p.add_argument("--stride", type=int, default=8,
+                   help="antidiagonal downsampling stride of KAP and of XAttention, a divisor of 128 (default 8)")
     p.add_argument("--min-prefill-tokens", type=int, default=1024,
-                   help="prefills shorter than this stay dense (every method)")
+                   help="prefills shorter than this stay dense (every method; default 1024)")
     p.add_argument("--match", default=None,
                    help="peers' budgets: cosa (CoSA's per-layer realised budget; default when cosa runs), "
                         "none (their own thresholds), or a fraction")
-    p.add_argument("--xattn-threshold", type=float, default=0.9)
-    p.add_argument("--flex-gamma", type=float, default=0.9)
-    p.add_argument("--flex-tau", type=float, default=0.1)
-    p.add_argument("--meanpool-top-p", type=float, default=0.95)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--xattn-threshold", type=float, default=0.9,
+                   help="XAttention's own rule (with --match none): per query block, the blocks whose "
+                        "normalised scores sum to this threshold (default 0.9)")
+    p.add_argument("--flex-gamma", type=float, default=0.9,
+                   help="FlexPrefill's own rule (with --match none): the attention coverage its blocks "
+                        "keep (default 0.9)")
+    p.add_argument("--flex-tau", type=float, default=0.1,
+                   help="FlexPrefill's pattern choice: a head whose pooled estimate lies within this "
+                        "Jensen-Shannon distance of its true attention is query-aware, the others "
+                        "vertical-slash (default 0.1)")
+    p.add_argument("--meanpool-top-p", type=float, default=0.95,
+                   help="mean pooling's own rule (with --match none): the top-p of its block "
+                        "probabilities (default 0.95)")
+    p.add_argument("--max-new-tokens", type=int, default=48,
+                   help="tokens of each greedy answer to a task prompt (default 48)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                   help="dtype of the model's weights and activations (default bfloat16)")
     add_run_arguments(p)
     args = p.parse_args(argv)
     resolve_device(args)

@@ -113,14 +113,14 @@ def budget_selector(budget: float, n: int, num_heads: int, stride: int, top_p: f
     """A block selector that runs KAP (so that its cost is in the time) and returns fixed random lists
     of stage-1 budget ``budget`` (the same lists for every layer, drawn once)."""
     import cosa
-    from cosa import proxies
+    from cosa.layout import paged_from_contiguous
 
     nq = -(-n // BLOCK)
     gen = torch.Generator(device=device).manual_seed(int(budget * 1e6) + n)
     order, counts = random_lists(nq, num_heads, budget, gen)
 
     def select(module, q, k):
-        layout = proxies.paged_layout(q, k)
+        layout = paged_from_contiguous(q, k)
         cosa.kap(layout["q"], layout["k_cache"], layout["page_table"], layout["cu_seqlens_q"], layout["seqused_k"],
                  layout["max_seqlen_q"], layout["max_seqlen_k"], stride=stride, top_p=top_p,
                  softmax_scale=getattr(module, "scaling", None))

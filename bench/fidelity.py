@@ -2,7 +2,7 @@
 """Proxy fidelity: how well KAP and the peers' proxies find the blocks that matter, and what the
 in-kernel skip gains from KAP's order (the paper's Figure 2 and Figure 6).
 
-Inputs: the structured-attention generator of ``cosa.proxies.structured_problem`` (sinks, a local
+Inputs: the structured-attention generator of ``proxies.structured_problem`` (sinks, a local
 band, needles, vertical stripes, slash lines; documented there) at each ``--n``, and, with
 ``--model``, the post-RoPE Q/K/V that a real model computes on a long text, captured from chosen
 layers through transformers' attention-function registry.
@@ -10,7 +10,7 @@ layers through transformers' attention-function registry.
 Sections (rows of the JSON and the table):
   mask   per method (oracle, kap, xattention, flexprefill, meanpool):
            selection "budget":  the same number of blocks per row for every method (matched
-                                budgets, cosa.proxies.budget_mask), ranked by the method's scores;
+                                budgets, proxies.budget_mask), ranked by the method's scores;
            selection "natural": the method's own rule (KAP's top-p lists, XAttention's threshold,
                                 FlexPrefill's gamma, mean pooling's top-p, the oracle's top-p).
          recall  = share of the oracle's top-p blocks kept; iou = IoU with the oracle's mask at the
@@ -39,7 +39,9 @@ from common import (add_run_arguments, argument_parser, format_table, progress, 
                     resolve_device, save_figure, start_run, write_json)
 
 import cosa  # noqa: E402
-from cosa import proxies, reference  # noqa: E402
+import proxies  # noqa: E402
+from cosa import reference  # noqa: E402
+from cosa.layout import paged_from_contiguous  # noqa: E402
 
 METHODS = ("oracle", "kap", "xattention", "flexprefill", "meanpool")
 MASK_COLUMNS = ("source", "n", "layer", "method", "selection", "budget", "recall", "iou", "mass", "rel_err")
@@ -77,7 +79,7 @@ def evaluate(q, k, v, source: str, layer, args) -> list[dict]:
     """Mask rows and skip rows of one attention problem."""
     n = q.shape[0]
     base = {"source": source, "n": n, "layer": layer}
-    layout = proxies.paged_layout(q, k, v)
+    layout = paged_from_contiguous(q, k, v)
     dense_out = None
     if not args.no_error:
         dense_out, _ = reference.dense_attention(layout["q"], layout["k_cache"], layout["v_cache"],

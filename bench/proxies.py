@@ -1,4 +1,5 @@
-"""Block-selection proxies of the peers, the oracle, and the metrics that compare block masks.
+"""Block-selection proxies of the peers, the oracle, and the metrics that compare block masks: the
+research code of bench/fidelity.py and bench/accuracy.py (the package needs none of it).
 
 Everything here works on ONE sequence in the contiguous layout ``q [Lq, Hq, d]``, ``k, v [Lk, Hkv, d]``
 (the queries are the last ``Lq`` positions, prefix ``P = Lk - Lq`` a multiple of 128, as in
@@ -44,8 +45,9 @@ import math
 
 import torch
 
-from . import reference
-from .reference import BLOCK, cdiv
+from cosa import reference, testing
+from cosa.layout import paged_from_contiguous
+from cosa.reference import BLOCK, cdiv
 
 # Memory bound of the chunked passes: elements of one float32 logits chunk (~1 GiB).
 _CHUNK_ELEMENTS = 1 << 28
@@ -93,27 +95,8 @@ def _pad_to_blocks(x: torch.Tensor, blocks: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# The contiguous single-sequence problem in the paged layout of the ops
+# The contiguous single-sequence problem (cosa.layout.paged_from_contiguous is the way back)
 # ----------------------------------------------------------------------------------------------
-
-
-def paged_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> dict:
-    """One contiguous sequence as the keyword arguments of ``cosa.prefill`` (one page per 128 tokens,
-    pages in order), the layout of ``cosa.reference`` and the ops."""
-    lq, lk = q.shape[0], k.shape[0]
-    pages = cdiv(lk, BLOCK)
-    device = q.device
-
-    def paged(x):
-        return _pad_to_blocks(x.unsqueeze(0), pages)[0].reshape(pages, BLOCK, *x.shape[1:])
-
-    layout = dict(q=q, k_cache=paged(k), page_table=torch.arange(pages, dtype=torch.int32, device=device)[None],
-                  cu_seqlens_q=torch.tensor([0, lq], dtype=torch.int32, device=device),
-                  seqused_k=torch.tensor([lk], dtype=torch.int32, device=device),
-                  max_seqlen_q=lq, max_seqlen_k=lk)
-    if v is not None:
-        layout["v_cache"] = paged(v)
-    return layout
 
 
 def contiguous(problem: dict):
@@ -161,7 +144,7 @@ def oracle_mass(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None = 
 
 def kap_scores(q: torch.Tensor, k: torch.Tensor, stride: int = 8, softmax_scale: float | None = None):
     """KAP's block scores ``S`` and HRM flags ``H`` ``[Hq, nq, nk]`` (``cosa.reference.kap_scores``)."""
-    layout = paged_layout(q, k)
+    layout = paged_from_contiguous(q, k)
     args = [layout[n] for n in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
                                 "max_seqlen_q", "max_seqlen_k")]
     scores, hrm = reference.kap_scores(*args, stride=stride, softmax_scale=softmax_scale)
@@ -169,15 +152,15 @@ def kap_scores(q: torch.Tensor, k: torch.Tensor, stride: int = 8, softmax_scale:
 
 
 def kap_rank(scores: torch.Tensor, hrm: torch.Tensor) -> torch.Tensor:
-    """One ranking key equivalent to KAP's sort (HRM first, then score): scores are at most
-    128/stride per block, so adding 1e6 to HRM blocks puts them ahead of every other block."""
+    """One ranking key that orders blocks as KAP's sort does (HRM first, then score): scores are
+    at most 128/stride per block, so adding 1e6 to HRM blocks puts them ahead of every other block."""
     return torch.where(hrm, scores + 1e6, scores)
 
 
 def kap_mask(q: torch.Tensor, k: torch.Tensor, stride: int = 8, top_p: float = 0.95,
              softmax_scale: float | None = None) -> torch.Tensor:
     """The mask of KAP's own lists (``cosa.reference.kap``, spec section 2.6)."""
-    layout = paged_layout(q, k)
+    layout = paged_from_contiguous(q, k)
     args = [layout[n] for n in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
                                 "max_seqlen_q", "max_seqlen_k")]
     order, counts = reference.kap(*args, stride=stride, top_p=top_p, softmax_scale=softmax_scale)
@@ -483,8 +466,6 @@ def structured_problem(seqlen: int, num_heads_q: int = 8, num_heads_kv: int = 2,
     (``cosa.testing.random_problem(structure="mixed")``), plus vertical stripes and slash lines
     (module docstring). Returns ``random_problem``'s dict (pages in order, 128 tokens each) with
     ``stripes`` (key positions per KV head) and ``slash_offsets`` added."""
-    from . import testing
-
     base = testing.random_problem([seqlen], [seqlen], num_heads_q, num_heads_kv, head_dim, page_size=BLOCK,
                                   dtype=torch.float32, device="cpu", structure="mixed", seed=seed,
                                   shuffle_pages=False, scale_logit=scale_logit)
@@ -522,8 +503,8 @@ def structured_problem(seqlen: int, num_heads_q: int = 8, num_heads_kv: int = 2,
                 q[:, heads] -= (q[:, heads] @ u)[..., None] * u
                 k[t, g] += amp * u
                 q[t + 1:, heads] += amp * u
-    layout = paged_layout(q.to(dtype=dtype, device=device), k.to(dtype=dtype, device=device),
-                          v.to(dtype=dtype, device=device))
+    layout = paged_from_contiguous(q.to(dtype=dtype, device=device), k.to(dtype=dtype, device=device),
+                                   v.to(dtype=dtype, device=device))
     layout["stripes"] = stripe_positions
     layout["slash_offsets"] = list(SLASH_OFFSETS) if slashes else []
     return layout
@@ -532,6 +513,6 @@ def structured_problem(seqlen: int, num_heads_q: int = 8, num_heads_kv: int = 2,
 __all__ = [
     "budget_counts", "budget_mask", "candidate_mask", "contiguous", "cumulative_mask", "flexprefill",
     "forced_mask", "kap_mask", "kap_rank", "kap_scores", "lists_to_mask", "mask_metrics", "mask_to_lists",
-    "mean_pooling_scores", "oracle_mass", "paged_layout", "peer_selection", "PEERS", "structured_problem",
+    "mean_pooling_scores", "oracle_mass", "peer_selection", "PEERS", "structured_problem",
     "xattention_scores",
 ]

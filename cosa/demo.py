@@ -22,7 +22,7 @@ import time
 import torch
 
 import cosa
-from cosa import reference, testing
+from cosa import defaults, reference, testing
 from cosa.reference import BLOCK
 
 KERNEL_SHAPE = {"n": 32768, "hq": 32, "hkv": 8}
@@ -36,13 +36,22 @@ def parse_args(argv=None):
                    help="tokens (a multiple of 128; default 32768 with the CUDA kernels, 4096 otherwise)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: the CUDA kernels when a GPU and a build with them are present")
-    p.add_argument("--top-p", type=float, default=0.95, help="KAP's top-p (default 0.95)")
-    p.add_argument("--delta", type=float, default=2000.0, help="OSK's skip threshold delta (0 turns the skip off)")
-    p.add_argument("--stride", type=int, default=8, help="KAP's downsampling stride (divides 128)")
+    p.add_argument("--top-p", type=float, default=defaults.TOP_P,
+                   help=f"KAP's top-p, in (0, 1] (default {defaults.TOP_P})")
+    p.add_argument("--delta", type=float, default=defaults.DELTA,
+                   help=f"OSK's skip threshold delta, finite (<= 0 turns the skip off; default {defaults.DELTA:g})")
+    p.add_argument("--stride", type=int, default=defaults.STRIDE,
+                   help=f"KAP's downsampling stride, a divisor of {BLOCK} (default {defaults.STRIDE})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input")
     args = p.parse_args(argv)
     if args.n is not None and (args.n < BLOCK or args.n % BLOCK):
         p.error("--n must be a positive multiple of 128")
+    if not 1 <= args.stride <= BLOCK or BLOCK % args.stride:
+        p.error(f"--stride must divide {BLOCK} (1, 2, 4, 8, 16, 32, 64 or 128), got {args.stride}")
+    if not 0.0 < args.top_p <= 1.0:  # also rejects nan
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not math.isfinite(args.delta):
+        p.error(f"--delta must be finite, got {args.delta}")
     return args
 
 

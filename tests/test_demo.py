@@ -1,6 +1,7 @@
 """The README's main command, `python -m cosa.demo`, on the CPU at a small size (the reference path),
 and the needle bookkeeping it relies on."""
 
+import pytest
 import torch
 
 from cosa import demo
@@ -27,3 +28,22 @@ def test_demo_runs_on_the_cpu(capsys):
     assert "PyTorch reference" in out
     needles = [line for line in out.splitlines() if line.startswith("needle:")]
     assert len(needles) == 3
+
+
+@pytest.mark.parametrize("flag, value", [("--stride", "3"), ("--stride", "0"), ("--stride", "256"),
+                                         ("--stride", "-8"), ("--top-p", "0"), ("--top-p", "1.5"),
+                                         ("--top-p", "-0.5"), ("--top-p", "nan"), ("--top-p", "inf"),
+                                         ("--delta", "inf"), ("--delta", "-inf"), ("--delta", "nan")])
+def test_demo_rejects_bad_arguments_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.parse_args([f"{flag}={value}"])  # "=" lets argparse read "-inf" as a value
+    assert exit_info.value.code == 2
+    assert f"error: {flag} must" in capsys.readouterr().err
+
+
+def test_demo_accepts_the_edges_of_the_ranges():
+    for stride in (1, 2, 4, 8, 16, 32, 64, 128):
+        assert demo.parse_args(["--stride", str(stride)]).stride == stride
+    args = demo.parse_args(["--top-p", "1", "--delta", "0"])
+    assert (args.top_p, args.delta) == (1.0, 0.0)
+    assert demo.parse_args(["--top-p", "1e-6", "--delta", "-1"]).delta == -1.0

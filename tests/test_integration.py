@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import cosa.integrations.transformers as cosa_hf
-from cosa import proxies, reference
+from cosa import reference
+from cosa.layout import paged_from_contiguous
 
 VOCAB = 512
 
@@ -67,7 +68,7 @@ def test_short_prompts_and_decode_stay_dense():
         with cosa_hf.enable(model, min_prefill_tokens=256, collect_stats=True) as handle:
             same = model(x).logits
             assert torch.equal(same, dense)
-            assert handle.sparse_calls == 0 and {c["reason"] for c in handle.calls} == {"short"}
+            assert handle.sparse_calls == 0 and {c["reason"] for c in handle.calls} == {"short_prompt"}
             handle.reset_stats()
             prompt = ids(300)
             model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False,
@@ -115,12 +116,36 @@ def test_unaligned_prefix_and_padded_batch_go_dense():
     mask[1, :40] = 0  # left padding of the second row
     with torch.no_grad(), cosa_hf.enable(model, min_prefill_tokens=256, collect_stats=True) as handle:
         model(x, attention_mask=mask)
-        assert {c["reason"] for c in handle.calls} == {"mask"}
+        assert {c["reason"] for c in handle.calls} == {"unsupported_mask"}
         handle.reset_stats()
         cache = DynamicCache()
         model(x[:1, :100], past_key_values=cache, use_cache=True)
         model(x[:1, 100:], past_key_values=cache, use_cache=True)  # prefix 100: not a multiple of 128
-        assert [c["reason"] for c in handle.calls] == ["short", "short", "prefix", "prefix"]
+        assert [c["reason"] for c in handle.calls] == ["short_prompt", "short_prompt", "unaligned_prefix",
+                                                       "unaligned_prefix"]
+
+
+def test_summary_says_why_calls_stayed_dense():
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    x = ids(600, batch=2)
+    mask = torch.ones_like(x)
+    mask[1, :40] = 0  # left padding of the second row
+    with torch.no_grad(), cosa_hf.enable(model, top_p=1.0, delta=0.0, min_prefill_tokens=256) as handle:
+        model(x, attention_mask=mask)
+        cache = DynamicCache()
+        model(x[:1, :100], past_key_values=cache, use_cache=True)
+        model(x[:1, 100:], past_key_values=cache, use_cache=True)  # prefix 100: not a multiple of 128
+        model(x[:1, :1], past_key_values=cache, use_cache=True)
+        model(x[:1, :384])
+    # Counted with statistics off too (two layers per forward).
+    assert handle.calls == []
+    assert handle.summary() == {"sparse_calls": 2, "dense_calls": 8,
+                                "dense_reasons": {"unsupported_mask": 2, "short_prompt": 2,
+                                                  "unaligned_prefix": 2, "decode": 2}}
+    handle.reset_stats()
+    assert handle.summary() == {"sparse_calls": 0, "dense_calls": 0, "dense_reasons": {}}
 
 
 def test_batch_without_padding_runs_sparse():
@@ -141,9 +166,9 @@ def test_block_selector_replaces_kap():
 
     def every_block(module, q, k):
         seen.append((module.layer_idx, tuple(q.shape), tuple(k.shape)))
-        nq, nk = reference.cdiv(q.shape[0], 128), reference.cdiv(k.shape[0], 128)
-        mask = proxies.candidate_mask(nq, nk, k.shape[0] - q.shape[0]).expand(q.shape[1], nq, nk)
-        return proxies.mask_to_lists(mask)
+        layout = paged_from_contiguous(q, k)
+        return reference.causal_order(layout["cu_seqlens_q"], layout["seqused_k"], q.shape[1], q.shape[0],
+                                      k.shape[0], q.shape[0])
 
     with torch.no_grad():
         dense = model(x).logits
@@ -174,7 +199,7 @@ def test_sparse_conditions():
     causal = torch.ones((384, 384), dtype=torch.bool).tril()[None, None]
     assert reason(mask=causal) is None
     assert reason(mask=torch.where(causal, 0.0, float("-inf"))) is None
-    assert reason(mask=~causal) == "mask"
+    assert reason(mask=~causal) == "unsupported_mask"
 
 
 def test_bottom_right_causal_check():

@@ -1,14 +1,19 @@
-"""cosa.proxies: the oracle and the peers' proxies against brute-force definitions, the mask
+"""bench/proxies.py: the oracle and the peers' proxies against brute-force definitions, the mask
 helpers, the metrics, and the structured generator of bench/fidelity.py (CPU, small sizes)."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from cosa import proxies as P
 from cosa import reference as R
+from cosa.layout import paged_from_contiguous
 from cosa.testing import random_problem
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import proxies as P  # noqa: E402
 
 
 def qkv(lq=600, lk=856, hq=4, hkv=2, d=64, seed=0, structure="mixed"):
@@ -120,7 +125,7 @@ def test_kap_rank_puts_hrm_first_and_matches_kap_lists():
     lowest_hrm = torch.where(hrm, rank, math.inf).amin(-1)
     highest_other = torch.where(~hrm & torch.isfinite(rank), rank, -math.inf).amax(-1)
     assert (lowest_hrm >= highest_other).all()
-    layout = P.paged_layout(q, k)
+    layout = paged_from_contiguous(q, k)
     order, counts = R.kap(*[layout[x] for x in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
                                                 "max_seqlen_q", "max_seqlen_k")], stride=8, top_p=0.9)
     assert torch.equal(P.kap_mask(q, k, 8, 0.9), P.lists_to_mask(order, counts))
@@ -135,7 +140,7 @@ def test_lists_round_trip_and_osk_on_every_block_is_dense():
     order, counts = P.mask_to_lists(mask)
     assert torch.equal(P.lists_to_mask(order, counts), mask)
     assert (order[..., :-1] <= order[..., 1:]).logical_or(order[..., 1:] == -1).all()  # ascending
-    layout = P.paged_layout(q, k, v)
+    layout = paged_from_contiguous(q, k, v)
     full_order, full_counts = P.mask_to_lists(P.candidate_mask(nq, nk, prefix).expand(q.shape[1], nq, nk))
     args = [layout[x] for x in ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k")]
     out, _, _ = R.osk(*args, full_order, full_counts, layout["max_seqlen_q"], delta=0.0)

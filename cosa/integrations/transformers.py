@@ -29,6 +29,7 @@ of building it. The tests run transformers 5.x; tests/test_integration.py also p
 
 from __future__ import annotations
 
+import collections
 import itertools
 import warnings
 import weakref
@@ -38,7 +39,8 @@ from typing import Callable
 import torch
 
 import cosa
-from cosa import reference
+from cosa import defaults, reference
+from cosa.layout import paged_from_contiguous
 from cosa.reference import BLOCK
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -54,9 +56,10 @@ BlockSelector = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple]
 
 @dataclass
 class Settings:
-    top_p: float = 0.95
-    delta: float = 2000.0
-    stride: int = 8
+    top_p: float = defaults.TOP_P
+    delta: float = defaults.DELTA
+    stride: int = defaults.STRIDE
+    vote: str = defaults.VOTE
     min_prefill_tokens: int = 4096
     collect_stats: bool = False
     block_selector: BlockSelector | None = None
@@ -100,23 +103,34 @@ class AttentionOverride:
 
 class CosaAttention(AttentionOverride):
     """The handle :func:`enable` returns: a context manager that restores the model's previous
-    attention implementation, with per-call records in ``calls`` when statistics are on."""
+    attention implementation. It counts the calls that ran CoSA and those that stayed dense, the
+    latter per reason (``dense_reasons``), and keeps per-call records in ``calls`` when statistics
+    are on."""
 
     def __init__(self, model: torch.nn.Module, settings: Settings):
         self.settings = settings
         self.calls: list[dict] = []
         self.sparse_calls = 0
         self.dense_calls = 0
+        self.dense_reasons: collections.Counter[str] = collections.Counter()
         super().__init__(model, _attention_function(self))
 
     def reset_stats(self) -> None:
         self.calls.clear()
         self.sparse_calls = self.dense_calls = 0
+        self.dense_reasons.clear()
 
     def summary(self) -> dict:
-        """Counts of sparse and dense calls; with statistics on, the mean stage-1 and realised
-        budgets over the sparse calls, overall and per layer."""
-        out = {"sparse_calls": self.sparse_calls, "dense_calls": self.dense_calls}
+        """Counts of sparse and dense calls, and ``dense_reasons``: the dense calls per reason,
+        ``decode`` (a decode step: one query token), ``short_prompt`` (a prefill shorter than
+        ``min_prefill_tokens``), ``sliding_window``, ``dropout`` (training with dropout),
+        ``output_attentions`` (attention weights requested), ``not_causal``, ``dtype`` (not
+        bf16/fp16), ``head_dim`` (not 64 or 128), ``unsupported_mask`` (a mask other than plain
+        causal, e.g. padding) or ``unaligned_prefix`` (a cached prefix that is not a multiple of 128
+        tokens). With statistics on, also the mean stage-1 and realised budgets over the sparse
+        calls, overall and per layer."""
+        out = {"sparse_calls": self.sparse_calls, "dense_calls": self.dense_calls,
+               "dense_reasons": dict(self.dense_reasons)}
         sparse = [c for c in self.calls if c["path"] == "cosa"]
         if not sparse or "stage1_budget" not in sparse[0]:
             return out
@@ -132,13 +146,14 @@ class CosaAttention(AttentionOverride):
         return out
 
 
-def enable(model: torch.nn.Module, *, top_p: float = 0.95, delta: float = 2000.0, stride: int = 8,
-           min_prefill_tokens: int = 4096, collect_stats: bool = False,
+def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: float = defaults.DELTA,
+           stride: int = defaults.STRIDE, vote: str = defaults.VOTE, min_prefill_tokens: int = 4096, collect_stats: bool = False,
            block_selector: BlockSelector | None = None) -> CosaAttention:
     """Run the model's long prefills with CoSA (module docstring); returns the handle/context manager.
 
     ``top_p``, ``stride``: KAP's stage-1 selection; ``delta``: OSK's skip scale (``<= 0``: no
-    in-kernel skip); ``min_prefill_tokens``: shorter prefills (and every decode step) stay dense;
+    in-kernel skip); ``vote``: who decides a skip together, each 64-row half of a tile
+    (``"warpgroup"``) or the whole tile (``"tile"``); ``min_prefill_tokens``: shorter prefills (and every decode step) stay dense;
     ``collect_stats``: record each call's budgets in ``handle.calls`` (reads the lists on the host:
     one synchronisation per layer); ``block_selector``: replace KAP with another selection (the
     benchmarks feed the peers' masks to OSK this way)."""
@@ -146,6 +161,8 @@ def enable(model: torch.nn.Module, *, top_p: float = 0.95, delta: float = 2000.0
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if stride <= 0 or BLOCK % stride:
         raise ValueError(f"stride must divide {BLOCK}, got {stride}")
+    if vote not in ("warpgroup", "tile"):
+        raise ValueError(f"vote must be 'warpgroup' or 'tile', got {vote!r}")
     if min_prefill_tokens < 1:
         raise ValueError(f"min_prefill_tokens must be >= 1, got {min_prefill_tokens}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -153,7 +170,7 @@ def enable(model: torch.nn.Module, *, top_p: float = 0.95, delta: float = 2000.0
         warnings.warn(f"cosa: model type {model_type!r} is not one of the tested families {SUPPORTED_MODEL_TYPES}; "
                       "CoSA runs wherever its attention goes through transformers' AttentionInterface",
                       stacklevel=2)
-    settings = Settings(top_p=top_p, delta=delta, stride=stride, min_prefill_tokens=min_prefill_tokens,
+    settings = Settings(top_p=top_p, delta=delta, stride=stride, vote=vote, min_prefill_tokens=min_prefill_tokens,
                         collect_stats=collect_stats, block_selector=block_selector)
     return CosaAttention(model, settings)
 
@@ -178,6 +195,7 @@ def _attention_function(handle: CosaAttention):
         layer = getattr(module, "layer_idx", None)
         if reason is not None:
             handle.dense_calls += 1
+            handle.dense_reasons[reason] += 1
             if settings.collect_stats:
                 handle.calls.append({"layer": layer, "path": "dense", "reason": reason,
                                      "q_len": query.shape[2], "kv_len": key.shape[2]})
@@ -201,7 +219,7 @@ def _sparse_prefix(module, query, key, attention_mask, dropout, settings: Settin
     _, _, seqlen_q, head_dim = query.shape
     seqlen_kv = key.shape[2]
     if seqlen_q < settings.min_prefill_tokens:
-        return None, "decode" if seqlen_q == 1 else "short"
+        return None, "decode" if seqlen_q == 1 else "short_prompt"
     if kwargs.get("sliding_window") is not None:
         return None, "sliding_window"
     if dropout and module.training:
@@ -219,12 +237,12 @@ def _sparse_prefix(module, query, key, attention_mask, dropout, settings: Settin
         # static cache longer than the prompt (keys past Sq unused): top-left aligned, no prefix.
         return 0, None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        return None, "mask"
+        return None, "unsupported_mask"
     prefix = seqlen_kv - seqlen_q
     if prefix < 0 or prefix % BLOCK:
-        return None, "prefix"
+        return None, "unaligned_prefix"
     if not _mask_is_bottom_right_causal(attention_mask, seqlen_q, seqlen_kv):
-        return None, "mask"
+        return None, "unsupported_mask"
     return prefix, None
 
 
@@ -267,7 +285,7 @@ def _sparse(module, q, k, v, scaling, settings: Settings):
     or the block selector's lists + OSK. Returns ``([B, Sq, Hq, d], stats)``."""
     if settings.block_selector is None:
         result = cosa.sparse_attention(q, k, v, stride=settings.stride, top_p=settings.top_p,
-                                       softmax_scale=scaling, delta=settings.delta,
+                                       softmax_scale=scaling, delta=settings.delta, vote=settings.vote,
                                        return_stats=settings.collect_stats)
         if not settings.collect_stats:
             return result, {}
@@ -275,11 +293,11 @@ def _sparse(module, q, k, v, scaling, settings: Settings):
         return out, {"stage1_budget": stats["stage1_budget"], "realised_budget": stats["realised_budget"]}
     outs, visited, skipped, causal = [], 0, 0, 0
     for b in range(q.shape[0]):
-        layout = _single_sequence(q[b], k[b], v[b])
+        layout = paged_from_contiguous(q[b], k[b], v[b])
         order, counts = settings.block_selector(module, q[b], k[b])
         out, _, skip = cosa.osk(layout["q"], layout["k_cache"], layout["v_cache"], layout["page_table"],
                                 layout["cu_seqlens_q"], layout["seqused_k"], order, counts, q.shape[1],
-                                softmax_scale=scaling, delta=settings.delta)
+                                softmax_scale=scaling, delta=settings.delta, vote=settings.vote)
         outs.append(out)
         if settings.collect_stats:
             nq = reference.cdiv(q.shape[1], BLOCK)
@@ -288,13 +306,9 @@ def _sparse(module, q, k, v, scaling, settings: Settings):
             skipped += int(skip.sum())
     stats = {}
     if settings.collect_stats:
-        stats = {"stage1_budget": visited / causal, "realised_budget": (visited - skipped) / causal}
+        # skipped counts 64-row halves of tiles: two make one block
+        stats = {"stage1_budget": visited / causal, "realised_budget": (visited - skipped / 2) / causal}
     return torch.stack(outs), stats
-
-
-def _single_sequence(q, k, v) -> dict:
-    from cosa.proxies import paged_layout
-    return paged_layout(q, k, v)
 
 
 # ----------------------------------------------------------------------------------------------
