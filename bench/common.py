@@ -37,8 +37,8 @@ def require_cuda(what: str) -> None:
 
 
 def git_commit() -> str:
-    """$COSA_COMMIT when set (the GPU machine receives a copy of the working tree whose .git, if
-    any, is not this checkout's), else the checkout's commit (with '-dirty' when tracked files
+    """$COSA_COMMIT when set (for a run on a copy of the working tree whose .git, if any, is not
+    this checkout's), else the checkout's commit (with '-dirty' when tracked files
     changed), else 'unknown'."""
     if os.environ.get("COSA_COMMIT"):
         return os.environ["COSA_COMMIT"]
@@ -188,10 +188,13 @@ def save_figure(fig, path) -> bool:
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """--device, --seed, --plot and --out, which every model-level bench takes."""
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="where the model runs (auto, the default: the GPU when torch sees one; on "
+                             "the CPU the ops run as the PyTorch reference)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
     parser.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
-    parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"),
+                        help="folder for the results JSON (default bench/results/)")
 
 
 def resolve_device(args) -> None:
@@ -206,3 +209,11 @@ def start_run(out_dir: str | os.PathLike, prefix: str) -> tuple[dict, Path]:
     json_path = results_path(out_dir, prefix, meta)
     progress(f"{meta['device']}, torch {meta['torch']}, commit {meta['commit']}; results -> {json_path}")
     return meta, json_path
+
+
+def finish_report(json_path, failures: Sequence[str]) -> int:
+    """The last lines of a bench run: where the JSON went and what failed; the exit status."""
+    print(f"\nresults: {json_path}")
+    if failures:
+        print("failures:\n  " + "\n  ".join(failures))
+    return 1 if failures else 0

@@ -4,18 +4,22 @@ page size 128) at several context lengths, CoSA's kernels side by side with the 
 (SDPA flash and cuDNN) and the block-sparse peer (FlexAttention on identical block lists).
 
 Rows (bench/README.md says what each one means and how the derived numbers are defined):
-  dense  sdpa-flash, sdpa-cudnn                      anchors, every causal block
-  flex   dense, random-<B>%                          BlockMask.from_kv_blocks on explicit lists
+  dense  sdpa-flash, sdpa-cudnn, fa4                 anchors, every causal block
+  flex   dense, random-<B>%                          BlockMask.from_kv_blocks on explicit lists (Triton)
+  flex   flash-dense, flash-random-<B>%              the same BlockMask, FLASH backend (FA4's kernel)
   osk    dense, random-<B>%                          the same lists, skip off (delta = 0)
-  osk    skipcost-full / -first / -skip              the cost of an in-kernel skipped block
-  osk    causal+skip                                 every causal block, ascending, delta 2000, structured input
+  osk    dense-skipon-<v>, random-<B>%-skipon-<v>    the same lists, skip on but nothing skipped
+                                                     (delta 1e-30): the skip machinery's cost
+  osk    skipcost-full / -first / -skip-<v>          the cost of an in-kernel skipped block
+  osk    causal+skip-<v>                             every causal block, ascending, delta 2000, structured input
   kap    stride-<s>[-unchecked|-graph]               the whole proxy (scores, sort, top-p, lists)
-  cosa   prefill[-unchecked]                         KAP + OSK with skip, structured input
-(-unchecked: with cosa.set_device_checks(False), i.e. without the ops' checks of index-tensor
-contents and their one host synchronisation per call; -graph: replayed from a CUDA graph, so
-without any host work: the GPU time of the kernels alone.)
-The osk/kap/cosa rows appear only when torch.ops.cosa has CUDA kernels. Every sparse row is
-checked in the same run against a float32 reference restricted to the same block lists.
+  cosa   prefill-<v>[-unchecked]                     KAP + OSK with skip, structured input
+(<v>: the vote scope of the skip, tile or warpgroup; -unchecked: with cosa.set_device_checks(False),
+i.e. without the ops' checks of index-tensor contents and their one host synchronisation per call;
+-graph: replayed from a CUDA graph, so without any host work: the GPU time of the kernels alone.)
+The osk/kap/cosa rows appear only when torch.ops.cosa has CUDA kernels; the fa4 and flash-* rows
+only where FlashAttention-4 (the flash-attn-4 package) is installed and runs. Every attention row
+is checked in the same run against a float32 reference restricted to the same block lists.
 
     python bench/kernel.py [--n 8192 32768 65536 131072] [--budgets 0.25 0.5 0.75 1.0]
                            [--strides 4 8 16] [--only dense,flex,osk,kap,cosa] [--quick]
@@ -36,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO_ROOT, Rotation, argument_parser, format_table, progress, relative_error, save_figure,  # noqa: E402
+from common import (REPO_ROOT, Rotation, argument_parser, finish_report, format_table, progress, relative_error, save_figure,  # noqa: E402
                     require_cuda, results_path, run_metadata, time_ms, write_json)
 
 BLOCK = 128
@@ -47,12 +51,18 @@ SECTIONS = ("dense", "flex", "osk", "kap", "cosa")
 DEFAULT_N = (8192, 32768, 65536, 131072)
 QUICK_N = (2048, 4096)
 SKIP_DELTA = 2000.0  # the paper's Qwen3-8B operating point, CoSA's default
+# The skip on, yet no block skipped: tau = ln(delta / N) is about -79 at 32K, far below any gap
+# between a block's row maximum and the running maximum on these inputs. Rows at this delta time
+# the skip machinery (the vote, its synchronisation) on blocks that are all computed.
+NO_SKIP_DELTA = 1e-30
+VOTES = ("tile", "warpgroup")  # who decides a skip together: all 128 rows of a tile, or each 64-row half
 # Planted amplitude for the skip-cost input: a block-0 logit of about sigma * A^2 = 22.6 against
 # about 5 for the best random key, a margin far past |tau| = ln(N / delta) <= 4.2 at N <= 128K,
 # so every block after block 0 is skipped.
 DOMINANT_AMPLITUDE = 16.0
-TABLE_COLUMNS = ("kind", "impl", "n", "budget", "realised", "delta", "ms", "tflops", "x_cudnn",
-                 "frac_of_cudnn", "rel_err", "note")
+TABLE_COLUMNS = ("kind", "impl", "n", "budget", "realised", "delta", "vote", "ms", "tflops", "x_cudnn",
+                 "x_fa4", "frac_of_cudnn", "frac_of_fa4", "rel_err", "note")
+FA4_COLUMNS = ("x_fa4", "frac_of_fa4")  # in the table only when the run has an fa4 row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,10 +97,17 @@ def random_lists(nq: int, hq: int, budget: float, generator: torch.Generator):
     return order, counts.to(torch.int32).unsqueeze(0).expand(hq, nq).contiguous()
 
 
+def skipped_blocks(skipped: torch.Tensor) -> float:
+    """Blocks whose P V work OSK skipped: its ``skipped`` output counts 64-row halves of tiles (a
+    block skipped by the whole tile counts 2), whichever the vote scope."""
+    return int(skipped.sum()) / 2
+
+
 def block_flops(counts: torch.Tensor, skipped: torch.Tensor | None = None) -> float:
     """FLOPs of the blocks a kernel computes: 4 * 128 * 128 * d per block (QK^T and PV), the
-    diagonal block of each non-empty row counted as half (it is causal-masked)."""
-    computed = int(counts.sum()) - (int(skipped.sum()) if skipped is not None else 0)
+    diagonal block of each non-empty row counted as half (it is causal-masked), a skipped half
+    block as half a block."""
+    computed = int(counts.sum()) - (skipped_blocks(skipped) if skipped is not None else 0)
     diagonals = int((counts > 0).sum())
     return 4.0 * BLOCK * BLOCK * CONFIG["d"] * (computed - 0.5 * diagonals)
 
@@ -191,11 +208,12 @@ def random_set(n: int, seed: int, want_repeated: bool, want_flex: bool, want_pag
 
 
 def attach_paged(s: InputSet, n: int, seed: int, cosa_mod) -> None:
+    """The paged layout of one sequence of ``n`` tokens, on the tensors' device, pages shuffled."""
     s.k_cache, s.v_cache, s.page_table = cosa_mod.testing.paged_kv(
         s.k, s.v, [n], CONFIG["page_size"], shuffle=True,
         generator=torch.Generator().manual_seed(seed))
-    s.cu_seqlens_q = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
-    s.seqused_k = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    s.cu_seqlens_q = torch.tensor([0, n], dtype=torch.int32, device=s.q.device)
+    s.seqused_k = torch.tensor([n], dtype=torch.int32, device=s.q.device)
 
 
 def structured_set(n: int, seed: int, cosa_mod) -> InputSet:
@@ -239,9 +257,44 @@ def set_bytes(n: int, repeated: bool, flex: bool, paged: bool) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def sdpa(backend, q4, k4, v4, gqa: bool):
+def sdpa(backend, q4, k4, v4, gqa: bool, scale: float | None = None):
     with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=gqa, scale=scale)
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one short line (compiler errors run to pages)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def guarded(failures: list[str], label: str, fn, *args) -> None:
+    """Run one group of rows; a failure (an out-of-memory, a kernel error) is reported on stderr and
+    listed in ``failures``, and the run goes on with the next group."""
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001  (report and continue: one bad row must not end a long run)
+        message = f"{label}: {one_line(error)}"
+        failures.append(message)
+        progress("  FAILED " + message)
+        traceback.print_exc(file=sys.stderr)
+
+
+def load_fa4():
+    """``(flash_attn_func, None)`` of FlashAttention-4 (package flash-attn-4, CuTe DSL), or
+    ``(None, why not)``: an optional peer, never needed by the project."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as error:  # noqa: BLE001  (ImportError, or a CuTe DSL that fails to load: same verdict)
+        return None, f"flash_attn.cute (package flash-attn-4) is not importable: {one_line(error)}"
+    return flash_attn_func, None
+
+
+def fa4_dense(fa4, q, k, v, softmax_scale: float | None = None) -> torch.Tensor:
+    """Causal FA4 on token-major ``q [N, Hq, d]``, ``k, v [N, Hkv, d]`` (GQA native): ``[N, Hq, d]``.
+    Its first call of a shape compiles the kernel (seconds)."""
+    result = fa4(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=softmax_scale, causal=True)
+    out = result[0] if isinstance(result, tuple) else result  # some versions also return the LSE
+    return out[0]
 
 
 _FLEX = None
@@ -294,6 +347,17 @@ def graph_of(fn):
     return graph.replay
 
 
+FLASH_BACKEND = {"BACKEND": "FLASH"}  # FlexAttention's kernel_options for FA4's CuTe kernel
+
+
+def osk_call(cosa_mod, s: InputSet, order, counts, n: int, delta: float, vote: str | None = None):
+    """``cosa.osk`` on one input set. ``vote=None`` keeps the op's default scope: the rows with the
+    skip off (delta 0), where no vote is taken."""
+    scope = {} if vote is None else {"vote": vote}
+    return cosa_mod.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q, s.seqused_k, order, counts,
+                        n, delta=delta, **scope)
+
+
 def load_cosa():
     """(cosa module or None, {op: None if it has a working CUDA kernel else the reason})."""
     reasons = {op: "cosa is not importable" for op in ("osk", "kap", "prefill")}
@@ -310,9 +374,9 @@ def load_cosa():
             probe["cu_seqlens_q"], probe["seqused_k"])
     order, counts = cosa.reference.causal_order(probe["cu_seqlens_q"], probe["seqused_k"], 4, 256, 256, 256)
     calls = {
-        "osk": lambda: torch.ops.cosa.osk(*args, order, counts, 256, None, 0.0),
-        "kap": lambda: torch.ops.cosa.kap(args[0], args[1], args[3], args[4], args[5], 256, 256, 8, 0.95, None),
-        "prefill": lambda: torch.ops.cosa.prefill(*args, 256, 256, 8, 0.95, None, SKIP_DELTA),
+        "osk": lambda: cosa.osk(*args, order, counts, 256, delta=0.0),
+        "kap": lambda: cosa.kap(args[0], args[1], args[3], args[4], args[5], 256, 256),
+        "prefill": lambda: cosa.prefill(*args, 256, 256, delta=SKIP_DELTA),
     }
     for op, call in calls.items():
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"cosa::{op}", "CUDA"):
@@ -332,13 +396,27 @@ def load_cosa():
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Lists:
+    """One set of block lists and what every row timed on it shares."""
+    impl: str              # "dense" (every causal block) or "random-<B>%"
+    order: torch.Tensor    # [Hq, nq, nk] int32, ascending, -1 after the list
+    counts: torch.Tensor   # [Hq, nq] int32
+    ref: torch.Tensor      # float32 reference rows (reference_rows) over exactly these lists
+    budget: float          # sum(counts) / causal blocks
+    flops: float           # block_flops(counts)
+
+
 class Bench:
-    def __init__(self, args, meta, cosa_mod, reasons, json_path):
+    def __init__(self, args, meta, cosa_mod, reasons, json_path, fa4=None, peer_reasons=None):
         self.args = args
         self.meta = meta
         self.cosa = cosa_mod
         self.reasons = reasons
         self.json_path = json_path
+        self.fa4 = fa4
+        # Optional peers ("fa4", "flex-flash"): None while they run, else why their rows are left out.
+        self.peer_reasons = dict(peer_reasons or {})
         self.rows: list[dict] = []
         self.failures: list[str] = []
         self.scale = 1.0 / math.sqrt(CONFIG["d"])
@@ -348,6 +426,14 @@ class Bench:
 
     def has(self, op: str) -> bool:
         return self.reasons.get(op) is None
+
+    def peer_runs(self, peer: str) -> bool:
+        return self.peer_reasons.get(peer) is None
+
+    def drop_peer(self, peer: str, error: BaseException) -> None:
+        """An optional peer's call failed: one line on stderr, its rows left out from here on."""
+        self.peer_reasons[peer] = one_line(error)
+        progress(f"{peer}: rows left out ({self.peer_reasons[peer]})")
 
     def add(self, kind, impl, n, ms, flops=None, budget=None, delta=None, rel_err=None, **extra):
         row = {"kind": kind, "impl": impl, "n": n, "budget": budget, "delta": delta, "ms": ms,
@@ -363,20 +449,12 @@ class Bench:
         return row
 
     def guarded(self, label: str, fn, *a):
-        """Run one group of rows; a failure (an out-of-memory, a kernel error) is reported and the
-        run goes on with the next group."""
-        try:
-            fn(*a)
-        except Exception as error:  # noqa: BLE001  (report and continue: one bad row must not end a long run)
-            detail = " ".join(str(error).split())[:300]
-            message = f"{label}: {type(error).__name__}: {detail}"
-            self.failures.append(message)
-            progress("  FAILED " + message)
-            traceback.print_exc(file=sys.stderr)
+        guarded(self.failures, label, fn, *a)
 
     def save(self):
+        left_out = {peer: why for peer, why in self.peer_reasons.items() if why is not None}
         write_json(self.json_path, {**self.meta, "config": CONFIG, "rows": self.rows,
-                                    "failures": self.failures})
+                                    "failures": self.failures, "peers_left_out": left_out})
 
     # -- one context length -------------------------------------------------------------------
 
@@ -433,10 +511,44 @@ class Bench:
         err = relative_error(rows_of(ctx["dense_out"], blocks, n), ctx["ref_dense"])
         ms = time_ms(lambda: sdpa(SDPBackend.CUDNN_ATTENTION, *cudnn_args(sets.take())))
         self.add("dense", "sdpa-cudnn", n, ms, flops, budget=1.0, rel_err=err, note="repeated kv heads")
+        if self.fa4 is not None and self.peer_runs("fa4"):
+            self.fa4_row(ctx, flops)
+
+    def fa4_row(self, ctx, flops: float):
+        """FlashAttention-4 dense on the token-major tensors (native GQA). An optional peer: when its
+        first call (which also compiles the kernel for this shape, untimed) fails, its rows are left
+        out."""
+        n, sets, blocks = ctx["n"], ctx["sets"], ctx["blocks"]
+        run = lambda s: fa4_dense(self.fa4, s.q, s.k, s.v)  # noqa: E731
+        progress(f"  fa4 n={n}: first call (compiles this shape)")
+        out = self.peer_first_call("fa4", run, sets.first)
+        if out is None:
+            return
+        err = relative_error(rows_of(out, blocks, n), ctx["ref_dense"])
+        del out
+        ms = time_ms(lambda: run(sets.take()))
+        self.add("dense", "fa4", n, ms, flops, budget=1.0, rel_err=err, note="flash_attn.cute, native GQA")
+
+    def peer_first_call(self, peer: str, run, first):
+        """The first call of an optional peer (it compiles the shape; untimed), or None when it
+        fails: the peer's rows are then left out, and the run goes on."""
+        try:
+            out = run(first)
+            torch.cuda.synchronize()
+            return out
+        except Exception as error:  # noqa: BLE001  (an optional peer must not fail the run)
+            self.drop_peer(peer, error)
+            return None
 
     def list_rows(self, ctx, budget: float):
-        """Flex and OSK (skip off) on one set of lists: the causal lists at budget 1, else random."""
-        n, nq, sets, blocks = ctx["n"], ctx["nq"], ctx["sets"], ctx["blocks"]
+        """Flex and OSK on one set of lists: the causal lists at budget 1, else random lists."""
+        lists = self.lists_at(ctx, budget)
+        flex_out = self.flex_rows(ctx, lists) if self.want("flex") else None
+        if self.want("osk") and self.has("osk") and ctx["sets"].first.k_cache is not None:
+            self.osk_list_rows(ctx, lists, flex_out)
+
+    def lists_at(self, ctx, budget: float) -> Lists:
+        n, nq, blocks = ctx["n"], ctx["nq"], ctx["blocks"]
         hq = CONFIG["hq"]
         if budget >= 1.0:
             order, counts = ctx["causal"]
@@ -445,47 +557,79 @@ class Bench:
             gen = torch.Generator(device=DEVICE).manual_seed(int(budget * 1e6) + n)
             order, counts = random_lists(nq, hq, budget, gen)
             impl = f"random-{budget * 100:g}%"
-            first = sets.first
+            first = ctx["sets"].first
             ref = reference_rows(first.q, first.k, first.v, order, counts, blocks, self.scale)
-        actual = int(counts.sum()) / causal_blocks(nq, hq)
-        flops = block_flops(counts)
-        flex_out = None
-        if self.want("flex"):
-            mask = flex_block_mask(order, counts)
-            flex = flex_attention_compiled()
+        return Lists(impl, order, counts, ref, int(counts.sum()) / causal_blocks(nq, hq), block_flops(counts))
+
+    def flex_rows(self, ctx, lists: Lists) -> torch.Tensor:
+        """FlexAttention on the lists with its Triton kernel, then with the FLASH backend (FA4's CuTe
+        kernel, an optional peer) on the same BlockMask. Returns the Triton output [N, Hq, d]."""
+        n, sets, blocks = ctx["n"], ctx["sets"], ctx["blocks"]
+        mask = flex_block_mask(lists.order, lists.counts)
+        flex = flex_attention_compiled()
+        run = lambda s: flex(*s.flex_qkv, block_mask=mask, enable_gqa=True)  # noqa: E731
+        if "flex_compiled" not in ctx:
+            progress(f"  flex n={n}: first call (torch.compile traces and compiles this shape)")
+            ctx["flex_compiled"] = True
+        out = run(sets.first)[0].transpose(0, 1)
+        err = relative_error(rows_of(out, blocks, n), lists.ref)
+        ms = time_ms(lambda: run(sets.take()))
+        self.add("flex", lists.impl, n, ms, lists.flops, budget=lists.budget, rel_err=err)
+        if self.peer_runs("flex-flash"):
+            self.flex_flash_row(ctx, lists, flex, mask)
+        return out
+
+    def flex_flash_row(self, ctx, lists: Lists, flex, mask):
+        n, sets, blocks = ctx["n"], ctx["sets"], ctx["blocks"]
+        run = lambda s: flex(*s.flex_qkv, block_mask=mask, enable_gqa=True, kernel_options=FLASH_BACKEND)  # noqa: E731
+        if "flex_flash_compiled" not in ctx:
+            progress(f"  flex FLASH n={n}: first call (compiles this shape)")
+            ctx["flex_flash_compiled"] = True
+        out = self.peer_first_call("flex-flash", run, sets.first)
+        if out is None:
+            return
+        err = relative_error(rows_of(out[0].transpose(0, 1), blocks, n), lists.ref)
+        del out
+        ms = time_ms(lambda: run(sets.take()))
+        self.add("flex", f"flash-{lists.impl}", n, ms, lists.flops, budget=lists.budget, rel_err=err,
+                 note="kernel_options BACKEND FLASH")
+
+    def osk_list_rows(self, ctx, lists: Lists, flex_out: torch.Tensor | None):
+        """OSK on the lists with the skip off (delta 0), then, per vote scope, with the skip on at a
+        delta so small that no block is skipped (NO_SKIP_DELTA): what the skip machinery costs the
+        blocks that are computed (skip_tax: time over the skip-off time)."""
+        n, sets, blocks = ctx["n"], ctx["sets"], ctx["blocks"]
+        order, counts = lists.order, lists.counts
+        if lists.impl == "dense":
+            # OSK's dense mode runs on the contract's causal lists; they must equal ours.
             first = sets.first
-            run = lambda s: flex(*s.flex_qkv, block_mask=mask, enable_gqa=True)  # noqa: E731
-            if "flex_compiled" not in ctx:
-                progress(f"  flex n={n}: first call (torch.compile traces and compiles this shape)")
-                ctx["flex_compiled"] = True
-            flex_out = run(first)[0].transpose(0, 1)
-            err = relative_error(rows_of(flex_out, blocks, n), ref)
-            ms = time_ms(lambda: run(sets.take()))
-            self.add("flex", impl, n, ms, flops, budget=actual, rel_err=err)
-            del mask
-        if self.want("osk") and self.has("osk") and sets.first.k_cache is not None:
-            if budget >= 1.0:
-                # OSK's dense mode runs on the contract's causal lists; they must equal ours.
-                first = sets.first
-                ref_order, ref_counts = self.cosa.reference.causal_order(
-                    first.cu_seqlens_q, first.seqused_k, hq, n, n, n)
-                if not (torch.equal(ref_order, order) and torch.equal(ref_counts, counts)):
-                    raise AssertionError("causal lists differ from cosa.reference.causal_order")
-            run = lambda s: torch.ops.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
-                                               s.seqused_k, order, counts, n, None, 0.0)
-            out, _, skipped = run(sets.first)
-            err = relative_error(rows_of(out, blocks, n), ref)
-            peer, peer_name = (ctx.get("dense_out"), "sdpa-cudnn") if budget >= 1.0 else (flex_out, "flex")
-            peer_err = relative_error(out, peer) if peer is not None else None
+            ref_order, ref_counts = self.cosa.reference.causal_order(
+                first.cu_seqlens_q, first.seqused_k, CONFIG["hq"], n, n, n)
+            if not (torch.equal(ref_order, order) and torch.equal(ref_counts, counts)):
+                raise AssertionError("causal lists differ from cosa.reference.causal_order")
+        out, _, skipped = osk_call(self.cosa, sets.first, order, counts, n, 0.0)
+        err = relative_error(rows_of(out, blocks, n), lists.ref)
+        peer, peer_name = (ctx.get("dense_out"), "sdpa-cudnn") if lists.impl == "dense" else (flex_out, "flex")
+        peer_err = relative_error(out, peer) if peer is not None else None
+        del out
+        ms_off = time_ms(lambda: osk_call(self.cosa, sets.take(), order, counts, n, 0.0))
+        self.add("osk", lists.impl, n, ms_off, lists.flops, budget=lists.budget, delta=0.0, rel_err=err,
+                 rel_err_peer=peer_err, peer=peer_name if peer is not None else None,
+                 skipped=int(skipped.sum()))
+        for vote in VOTES:
+            out, _, skipped = osk_call(self.cosa, sets.first, order, counts, n, NO_SKIP_DELTA, vote)
+            err = relative_error(rows_of(out, blocks, n), lists.ref)
             del out
-            ms = time_ms(lambda: run(sets.take()))
-            self.add("osk", impl, n, ms, flops, budget=actual, delta=0.0, rel_err=err,
-                     rel_err_peer=peer_err, peer=peer_name if peer is not None else None,
-                     skipped=int(skipped.sum()))
+            ms = time_ms(lambda vote=vote: osk_call(self.cosa, sets.take(), order, counts, n, NO_SKIP_DELTA, vote))
+            halves = int(skipped.sum())
+            self.add("osk", f"{lists.impl}-skipon-{vote}", n, ms, block_flops(counts, skipped),
+                     budget=lists.budget, delta=NO_SKIP_DELTA, vote=vote, rel_err=err, skipped=halves,
+                     skip_tax=ms / ms_off,
+                     note=f"skip on, {halves} halves skipped: {ms / ms_off:.3f}x the skip-off time")
 
     def skip_cost_rows(self, ctx):
-        """Cost of an in-kernel skipped block against a computed one, on one input where every
-        block after block 0 is skipped (dominant_first_block_set):
+        """Cost of an in-kernel skipped block against a computed one, per vote scope, on one input
+        where every block after block 0 is skipped (dominant_first_block_set):
             t_full  = OSK, every causal block, skip off (delta = 0)
             t_skip  = the same lists, skip on (delta = 2000): block 0 computed, the rest skipped
             t_first = lists holding block 0 only, skip off
@@ -501,60 +645,64 @@ class Bench:
         first_order = torch.full_like(order, -1)
         first_order[..., 0] = 0
         first_counts = torch.ones_like(counts)
-        run = lambda o, c, delta: torch.ops.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table,  # noqa: E731
-                                                     s.cu_seqlens_q, s.seqused_k, o, c, n, None, delta)
+        run = lambda o, c, delta, vote=None: osk_call(self.cosa, s, o, c, n, delta, vote)  # noqa: E731
         out_full, _, _ = run(order, counts, 0.0)
-        out_skip, _, skipped = run(order, counts, SKIP_DELTA)
-        skip_frac = int(skipped.sum()) / max(1, int((counts - 1).sum()))
-        err = relative_error(out_skip, out_full)
-        del out_full, out_skip
         t_full = time_ms(lambda: run(order, counts, 0.0))
-        t_skip = time_ms(lambda: run(order, counts, SKIP_DELTA))
         t_first = time_ms(lambda: run(first_order, first_counts, 0.0))
-        cost = (t_skip - t_first) / (t_full - t_first) if t_full > t_first else None
         self.add("osk", "skipcost-full", n, t_full, block_flops(counts), budget=1.0, delta=0.0)
         self.add("osk", "skipcost-first", n, t_first, block_flops(first_counts),
                  budget=int(first_counts.sum()) / causal_blocks(nq, hq), delta=0.0)
-        self.add("osk", "skipcost-skip", n, t_skip, block_flops(counts, skipped), budget=1.0,
-                 delta=SKIP_DELTA, rel_err=err, realised=1.0 - int(skipped.sum()) / int(counts.sum()),
-                 skipped_fraction=skip_frac, skip_cost=cost,
-                 note=f"skip cost {cost:.2f} of a computed block" if cost is not None else None)
+        after_first = max(1, int((counts - 1).sum()))  # the blocks that should all be skipped
+        for vote in VOTES:
+            out_skip, _, skipped = run(order, counts, SKIP_DELTA, vote)
+            err = relative_error(out_skip, out_full)
+            del out_skip
+            t_skip = time_ms(lambda vote=vote: run(order, counts, SKIP_DELTA, vote))
+            cost = (t_skip - t_first) / (t_full - t_first) if t_full > t_first else None
+            self.add("osk", f"skipcost-skip-{vote}", n, t_skip, block_flops(counts, skipped), budget=1.0,
+                     delta=SKIP_DELTA, vote=vote, rel_err=err,
+                     realised=1.0 - skipped_blocks(skipped) / int(counts.sum()),
+                     skipped_fraction=skipped_blocks(skipped) / after_first, skip_cost=cost,
+                     note=f"skip cost {cost:.2f} of a computed block" if cost is not None else None)
 
     def structured_rows(self, ctx):
-        """OSK with skip over every causal block (ascending order), and CoSA end to end, on the
-        structured input; errors are against exact dense attention."""
+        """OSK with skip over every causal block (ascending order), and CoSA end to end, per vote
+        scope, on the structured input; errors are against exact dense attention."""
         n, nq, blocks = ctx["n"], ctx["nq"], ctx["blocks"]
-        hq = CONFIG["hq"]
         progress(f"n={n}: structured inputs")
         sets = Rotation(lambda i: structured_set(n, 31 * i + 5, self.cosa), set_bytes(n, False, False, True))
         first = sets.first
         ref = reference_rows(first.q, first.k, first.v, *ctx["causal"], blocks, self.scale)
-        total = causal_blocks(nq, hq)
+        total = causal_blocks(nq, CONFIG["hq"])
         if self.want("osk") and self.has("osk"):
             order, counts = ctx["causal"]
-            run = lambda s: torch.ops.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
-                                               s.seqused_k, order, counts, n, None, SKIP_DELTA)
-            out, _, skipped = run(first)
-            err = relative_error(rows_of(out, blocks, n), ref)
-            del out
-            ms = time_ms(lambda: run(sets.take()))
-            self.add("osk", "causal+skip", n, ms, block_flops(counts, skipped), budget=1.0,
-                     delta=SKIP_DELTA, rel_err=err,
-                     realised=(int(counts.sum()) - int(skipped.sum())) / total, note="structured input")
+            for vote in VOTES:
+                out, _, skipped = osk_call(self.cosa, first, order, counts, n, SKIP_DELTA, vote)
+                err = relative_error(rows_of(out, blocks, n), ref)
+                del out
+                ms = time_ms(lambda vote=vote: osk_call(self.cosa, sets.take(), order, counts, n, SKIP_DELTA, vote))
+                self.add("osk", f"causal+skip-{vote}", n, ms, block_flops(counts, skipped), budget=1.0,
+                         delta=SKIP_DELTA, vote=vote, rel_err=err,
+                         realised=(int(counts.sum()) - skipped_blocks(skipped)) / total, note="structured input")
         if self.want("cosa") and self.has("prefill"):
-            run = lambda s: torch.ops.cosa.prefill(s.q, s.k_cache, s.v_cache, s.page_table,  # noqa: E731
-                                                   s.cu_seqlens_q, s.seqused_k, n, n, 8, 0.95, None,
-                                                   SKIP_DELTA)
-            out, _, _, counts, skipped = run(first)
-            err = relative_error(rows_of(out, blocks, n), ref)
-            del out
-            for impl, checks in (("prefill", True), ("prefill-unchecked", False)):
-                with self.cosa.set_device_checks(checks):
-                    ms = time_ms(lambda: run(sets.take()))
-                self.add("cosa", impl, n, ms, block_flops(counts, skipped),
-                         budget=int(counts.sum()) / total, delta=SKIP_DELTA, rel_err=err,
-                         realised=(int(counts.sum()) - int(skipped.sum())) / total,
-                         note="stride 8, top_p 0.95, structured input" + ("" if checks else ", device checks off"))
+            for vote in VOTES:
+                self.prefill_rows(sets, ref, blocks, n, vote)
+
+    def prefill_rows(self, sets: Rotation, ref, blocks, n: int, vote: str):
+        """cosa.prefill (stride 8, top_p 0.95, delta 2000) with the device checks on and off."""
+        run = lambda s, **stats: self.cosa.prefill(  # noqa: E731
+            s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q, s.seqused_k, n, n, stride=8, top_p=0.95,
+            delta=SKIP_DELTA, vote=vote, **stats)
+        out, stats = run(sets.first, return_stats=True)
+        err = relative_error(rows_of(out, blocks, n), ref)
+        del out
+        for suffix, checks in (("", True), ("-unchecked", False)):
+            with self.cosa.set_device_checks(checks):
+                ms = time_ms(lambda: run(sets.take()))
+            self.add("cosa", f"prefill-{vote}{suffix}", n, ms, block_flops(stats["counts"], stats["skipped"]),
+                     budget=stats["stage1_budget"], delta=SKIP_DELTA, vote=vote, rel_err=err,
+                     realised=stats["realised_budget"],
+                     note="stride 8, top_p 0.95, structured input" + ("" if checks else ", device checks off"))
 
     def kap_rows(self, ctx):
         """KAP alone per stride (top_p 0.95) on the random input; at N <= 16K its lists are
@@ -586,17 +734,31 @@ class Bench:
     # -- derived columns, table, plot ---------------------------------------------------------
 
     def finish(self):
-        cudnn = {r["n"]: r["ms"] for r in self.rows if r["kind"] == "dense" and r["impl"] == "sdpa-cudnn"}
-        for r in self.rows:
-            base = cudnn.get(r["n"])
-            r["x_cudnn"] = base / r["ms"] if base else None
-            if r["kind"] == "kap":
-                r["frac_of_cudnn"] = r["ms"] / base if base else None
+        add_speedups(self.rows)
         self.save()
 
 
-# Line style per row kind, so that 15+ series stay tellable apart; skip-cost rows are a measuring
-# device, not an implementation, and stay out of the picture.
+def add_speedups(rows: list[dict]) -> None:
+    """Per row, each dense anchor's time at the same N over the row's: ``x_cudnn`` (SDPA cuDNN) and
+    ``x_fa4`` (FlashAttention-4), above 1 when the row is faster; kap rows also get their share of
+    the anchor's time (``frac_of_cudnn``, ``frac_of_fa4``). None where the anchor has no row at N."""
+    for anchor, speedup, share in (("sdpa-cudnn", "x_cudnn", "frac_of_cudnn"), ("fa4", "x_fa4", "frac_of_fa4")):
+        base = {r["n"]: r["ms"] for r in rows if r["kind"] == "dense" and r["impl"] == anchor}
+        for r in rows:
+            anchor_ms = base.get(r["n"])
+            r[speedup] = anchor_ms / r["ms"] if anchor_ms else None
+            if r["kind"] == "kap":
+                r[share] = r["ms"] / anchor_ms if anchor_ms else None
+
+
+def table_columns(rows: list[dict]) -> list[str]:
+    """TABLE_COLUMNS, less the FA4 columns when the run has no fa4 row."""
+    has_fa4 = any(r["kind"] == "dense" and r["impl"] == "fa4" for r in rows)
+    return [c for c in TABLE_COLUMNS if has_fa4 or c not in FA4_COLUMNS]
+
+
+# Line style per row kind, so that 15+ series stay tellable apart; skip-cost and skip-on rows are
+# measuring devices, not implementations, and stay out of the picture.
 _PLOT_STYLE = {"dense": "-", "flex": "--", "osk": "-", "kap": ":", "cosa": "-"}
 
 
@@ -611,7 +773,7 @@ def plot(rows, path: Path) -> bool:
     import matplotlib.pyplot as plt
     series: dict[str, list[tuple[int, float, float | None]]] = {}
     for r in rows:
-        if not r["impl"].startswith("skipcost"):
+        if not r["impl"].startswith("skipcost") and "-skipon-" not in r["impl"]:
             series.setdefault(f"{r['kind']}/{r['impl']}", []).append((r["n"], r["ms"], r.get("x_cudnn")))
     colors = plt.get_cmap("tab20").colors
     fig, (ax_time, ax_speed) = plt.subplots(1, 2, figsize=(14, 6))
@@ -666,6 +828,18 @@ def parse_args(argv=None):
     return args
 
 
+def load_peers(sections):
+    """``(flash_attn_func or None, {peer: None while it runs, else why its rows are left out})`` for
+    the optional FA4 peers of the sections run: FA4 dense (dense) and FlexAttention's FLASH backend
+    (flex), which runs FA4's kernel and so needs the same package. One stderr line per absent peer."""
+    fa4, why = load_fa4() if set(sections) & {"dense", "flex"} else (None, None)
+    reasons = {"fa4": why, "flex-flash": why}
+    for peer, section in (("fa4", "dense"), ("flex-flash", "flex")):
+        if section in sections and why is not None:
+            progress(f"{peer}: rows left out ({why})")
+    return fa4, reasons
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     require_cuda("bench/kernel.py")
@@ -676,18 +850,16 @@ def main(argv=None) -> int:
     cosa_mod, reasons = load_cosa() if set(args.only) & {"osk", "kap", "cosa"} else (None, {})
     for op, why in reasons.items():
         progress(f"cosa::{op}: " + ("CUDA kernel found" if why is None else f"rows left out ({why})"))
-    bench = Bench(args, meta, cosa_mod, reasons, json_path)
+    fa4, peer_reasons = load_peers(args.only)
+    bench = Bench(args, meta, cosa_mod, reasons, json_path, fa4, peer_reasons)
     for n in args.n:
         bench.guarded(f"n={n}", bench.run_size, n)
         bench.finish()
     if args.plot and bench.rows:
         png = json_path.with_suffix(".png")
         progress(f"plot -> {png}" if plot(bench.rows, png) else "no plot: matplotlib is not installed")
-    print(format_table(bench.rows, TABLE_COLUMNS))
-    print(f"\nresults: {json_path}")
-    if bench.failures:
-        print("failures:\n  " + "\n  ".join(bench.failures))
-    return 1 if bench.failures else 0
+    print(format_table(bench.rows, table_columns(bench.rows)))
+    return finish_report(json_path, bench.failures)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Small CPU runs of bench/fidelity.py, bench/e2e.py and bench/accuracy.py through their main()
-(the reference path), plus the accuracy tasks' construction and scoring."""
+(the reference path), plus the accuracy tasks' construction and scoring; the CPU pieces of
+bench/kernel.py (the FA4 peer's call, the anchors' columns, the skip accounting) and of
+bench/layers.py (arguments, the Q/K/V capture, one layer's rows with the timer stubbed, results)."""
 
 import importlib.util
 import json
@@ -8,11 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import accuracy  # noqa: E402
+import common  # noqa: E402
 import e2e  # noqa: E402
 import fidelity  # noqa: E402
+import kernel  # noqa: E402
+import layers  # noqa: E402
 
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -156,3 +162,224 @@ def test_haystack_from_a_text_folder(tmp_path):
                                                           "It has two sentences!"]
     assert len(accuracy.filler_sentences(5, 1)) == 5
     assert accuracy.filler_sentences(5, 1) == accuracy.filler_sentences(5, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/kernel.py
+# ---------------------------------------------------------------------------------------------
+
+
+def sdpa_as_fa4(q4, k4, v4, softmax_scale=None, causal=False):
+    """FA4's calling convention ([B, N, H, d], GQA native) served by SDPA, for the CPU."""
+    out = F.scaled_dot_product_attention(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2),
+                                         is_causal=causal, scale=softmax_scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def test_kernel_fa4_call_with_or_without_lse():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn((256, h, 64), generator=gen) for h in (4, 2, 2))
+    plain = kernel.fa4_dense(sdpa_as_fa4, q, k, v, softmax_scale=0.1)
+    with_lse = kernel.fa4_dense(lambda *a, **kw: (sdpa_as_fa4(*a, **kw), None), q, k, v, softmax_scale=0.1)
+    assert plain.shape == (256, 4, 64)
+    assert torch.equal(plain, with_lse)
+    order, counts = kernel.causal_lists(2, 4, "cpu")
+    torch.testing.assert_close(plain, kernel.reference_rows(q, k, v, order, counts, [0, 1], 0.1))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn-4 is installed here")
+def test_kernel_fa4_peers_left_out_when_the_package_is_missing():
+    fa4, why = kernel.load_fa4()
+    assert fa4 is None and "flash-attn-4" in why
+    fa4, reasons = kernel.load_peers(["dense", "flex"])
+    assert fa4 is None and reasons == {"fa4": why, "flex-flash": why}
+    assert kernel.load_peers(["osk"]) == (None, {"fa4": None, "flex-flash": None})  # not imported at all
+
+
+def kernel_row(kind, impl, n, ms):
+    return {"kind": kind, "impl": impl, "n": n, "ms": ms}
+
+
+def test_kernel_speedups_over_cudnn_and_fa4():
+    rows = [kernel_row("dense", "sdpa-cudnn", 4096, 2.0), kernel_row("dense", "fa4", 4096, 1.6),
+            kernel_row("osk", "dense", 4096, 1.0), kernel_row("kap", "stride-8", 4096, 0.1),
+            kernel_row("osk", "dense", 8192, 3.0)]
+    kernel.add_speedups(rows)
+    osk, kap, lone = rows[2], rows[3], rows[4]
+    assert osk["x_cudnn"] == pytest.approx(2.0) and osk["x_fa4"] == pytest.approx(1.6)
+    assert kap["frac_of_cudnn"] == pytest.approx(0.05) and kap["frac_of_fa4"] == pytest.approx(0.0625)
+    assert "frac_of_fa4" not in osk
+    assert lone["x_cudnn"] is None and lone["x_fa4"] is None
+    columns = kernel.table_columns(rows)
+    assert columns.index("x_fa4") == columns.index("x_cudnn") + 1
+    assert "x_fa4" in common.format_table(rows, columns).splitlines()[0]
+    assert not set(kernel.FA4_COLUMNS) & set(kernel.table_columns([r for r in rows if r["impl"] != "fa4"]))
+
+
+def test_kernel_skipped_output_counts_halves():
+    counts = torch.tensor([[1, 2], [1, 2]], dtype=torch.int32)  # 6 blocks listed, 4 of them diagonal
+    skipped = torch.tensor([[0, 2], [0, 1]], dtype=torch.int32)  # a whole block and one half
+    assert kernel.skipped_blocks(skipped) == 1.5
+    assert kernel.block_flops(counts, skipped) == 4 * 128 * 128 * 128 * (6 - 1.5 - 0.5 * 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/layers.py
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def haystack_dir(tmp_path):
+    folder = tmp_path / "essays"
+    folder.mkdir()
+    (folder / "one.txt").write_text(" ".join(accuracy.filler_sentences(300, 0)))
+    return folder
+
+
+def test_layers_arguments(tmp_path, haystack_dir):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"")
+    base = ["--model", str(model), "--haystack", str(haystack_dir)]
+    args = layers.parse_args(base)
+    assert (args.n, args.layers, args.seed, args.plot) == (32768, None, 0, False)
+    assert layers.parse_args(base + ["--layers", "27,2,8,2", "--n", "8192"]).layers == [2, 8, 27]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv in (base + ["--layers", "2,x"], base + ["--layers", "-1"], base + ["--n", "1000"],
+                 ["--model", str(model)], ["--model", str(tmp_path / "absent"), "--haystack", str(haystack_dir)],
+                 ["--model", str(model), "--haystack", str(empty)]):
+        with pytest.raises(SystemExit):
+            layers.parse_args(argv)
+
+
+def test_layers_default_layers_spread_over_the_depth():
+    assert layers.default_layers(28) == [2, 8, 14, 20, 27]
+    assert layers.default_layers(36) == [2, 10, 18, 26, 35]
+    assert layers.default_layers(2) == [1]
+    assert layers.default_layers(1) == [0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a GPU")
+def test_layers_exits_2_without_a_gpu(tmp_path, haystack_dir, capsys):
+    with pytest.raises(SystemExit) as stop:
+        layers.main(["--model", str(tmp_path), "--haystack", str(haystack_dir)])
+    assert stop.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def tiny_causal_lm(family: str):
+    """Three layers of the family with random float32 weights, 4 query heads over 2 KV heads, d 32."""
+    import transformers
+
+    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+    config = getattr(transformers, config_class)(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, vocab_size=64, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_capture_is_what_the_attention_kernel_receives(family):
+    """The captured q, k, v, attended causally with the module's scale, give exactly the layer's own
+    attention output (o_proj's input): the tensors are post-RoPE (and post-norm in Qwen3)."""
+    model = tiny_causal_lm(family)
+    ids = torch.randint(0, 64, (1, 96), generator=torch.Generator().manual_seed(1))
+    attention_out = {}
+    hooks = [model.model.layers[i].self_attn.o_proj.register_forward_pre_hook(
+        lambda module, inputs, i=i: attention_out.__setitem__(i, inputs[0][0])) for i in (0, 2)]
+    captured = fidelity.capture_qkv(model, ids, {0, 2})
+    for hook in hooks:
+        hook.remove()
+    scales = layers.attention_scales(model)
+    assert set(captured) == {0, 2} and scales == {i: pytest.approx(32 ** -0.5) for i in range(3)}
+    for layer, (q, k, v) in captured.items():
+        assert q.shape == (96, 4, 32) and k.shape == v.shape == (96, 2, 32)
+        out = sdpa_as_fa4(q[None], k[None], v[None], softmax_scale=scales[layer], causal=True)[0]
+        torch.testing.assert_close(out.reshape(96, -1), attention_out[layer], rtol=1e-4, atol=1e-5)
+
+
+def test_layers_capture_from_a_model_folder(tiny_model_dir, haystack_dir):
+    captured, facts = layers.capture_layers(str(tiny_model_dir), str(haystack_dir), 256, None, 0, "cpu")
+    assert facts == {"model": tiny_model_dir.name, "num_layers": 2, "layers": [1], "hq": 2, "hkv": 1, "d": 64}
+    q, k, v, scale = captured[1]
+    assert q.shape == (256, 2, 64) and k.shape == v.shape == (256, 1, 64) and q.dtype == torch.bfloat16
+    assert scale == pytest.approx(64 ** -0.5)
+    with pytest.raises(ValueError, match="2 layers"):
+        layers.capture_layers(str(tiny_model_dir), str(haystack_dir), 256, [0, 2], 0, "cpu")
+
+
+def test_layers_checked_rows_and_errors():
+    assert layers.checked_blocks(256) == [0, 36, 73, 109, 146, 182, 219, 255]
+    assert layers.checked_blocks(3) == [0, 1, 2] and layers.checked_blocks(1) == [0]
+    ref = torch.randn((10, 3, 8), generator=torch.Generator().manual_seed(0))
+    out = ref.clone()
+    out[4, 1] *= 1.5
+    rel_err, max_row_err = layers.errors(out, ref)
+    assert max_row_err == pytest.approx(0.5)
+    assert rel_err == pytest.approx(0.5 * float(ref[4, 1].norm() / ref.norm()))
+    out[0, 0, 0] = float("nan")
+    assert all(e != e for e in layers.errors(out, ref))
+
+
+def test_layers_one_layer_on_the_cpu(monkeypatch):
+    """Every row of one layer through the ops' CPU path, the timer and the dense kernel stubbed
+    (common.time_ms and SDPA cuDNN need a GPU). 2560 tokens: the skip is on (delta 2000 < N)."""
+    import cosa
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setattr(layers, "time_ms", lambda fn: 1.0)
+    monkeypatch.setattr(layers, "sdpa", lambda backend, *a: kernel.sdpa(SDPBackend.MATH, *a))
+    n = 2560
+    problem = cosa.testing.random_problem([n], [n], 4, 2, 64, 128, torch.bfloat16, "cpu", structure="mixed", seed=3)
+    q, k, v = (problem["q"], cosa.reference.gather_kv(problem["k_cache"], problem["page_table"], 0, n),
+               cosa.reference.gather_kv(problem["v_cache"], problem["page_table"], 0, n))
+    run = layers.LayerRun(cosa, None, seed=0)
+    run.layer(5, q, k, v, None)
+    assert run.failures == []
+    rows = {r["impl"]: r for r in run.rows}
+    assert list(rows) == ["cudnn", *layers.COSA_VARIANTS, "kap"]
+    assert all(r["layer"] == 5 and r["n"] == n and r["kind"] == "layer" for r in run.rows)
+    assert rows["cudnn"]["rel_err"] < 1e-2 and rows["cudnn"]["stage1_budget"] == 1.0
+    for impl in layers.COSA_VARIANTS:
+        r = rows[impl]
+        assert r["stage1_budget"] == rows["kap"]["stage1_budget"]  # the same lists every time
+        assert 0 < r["realised_budget"] <= r["stage1_budget"] < 1
+        assert r["rel_err"] <= r["max_row_err"] and r["rel_err"] < 0.5
+    assert rows["cosa-noskip"]["realised_budget"] == rows["cosa-noskip"]["stage1_budget"]
+    assert rows["cosa"]["realised_budget"] < rows["cosa"]["stage1_budget"]
+    default_vote = layers.prefill_defaults(cosa)["vote"]
+    assert rows["cosa"]["realised_budget"] == rows[f"cosa-{default_vote}"]["realised_budget"]
+    assert rows["kap"]["rel_err"] is None and rows["kap"]["realised_budget"] is None
+
+
+def layer_row(layer, impl, ms, budget=1.0, rel_err=0.002):
+    return {"kind": "layer", "layer": layer, "n": 1024, "impl": impl, "ms": ms, "stage1_budget": budget,
+            "realised_budget": budget, "rel_err": rel_err, "max_row_err": None if rel_err is None else 5 * rel_err}
+
+
+def test_layers_speedups_summary_and_results(tmp_path):
+    rows = [layer_row(2, "cudnn", 4.0), layer_row(2, "fa4", 3.0), layer_row(2, "cosa", 1.5, 0.4, 0.03),
+            layer_row(8, "cudnn", 4.0), layer_row(8, "fa4", 2.0), layer_row(8, "cosa", 1.0, 0.2, 0.05),
+            layer_row(8, "kap", 0.1, 0.2, None)]
+    layers.add_speedups(rows)
+    cosa_rows = [r for r in rows if r["impl"] == "cosa"]
+    assert [r["x_fa4"] for r in cosa_rows] == [2.0, 2.0]
+    assert [r["x_cudnn"] for r in cosa_rows] == [pytest.approx(4 / 1.5), 4.0]
+    summary = {s["impl"]: s for s in layers.summarise(rows)}
+    assert list(summary) == ["cudnn", "fa4", "cosa", "kap"]
+    assert summary["cosa"]["layers"] == 2 and summary["cosa"]["ms"] == pytest.approx(1.25)
+    assert summary["cosa"]["x_fa4"] == pytest.approx(2.0) and summary["cosa"]["max_row_err"] == pytest.approx(0.25)
+    assert summary["kap"]["rel_err"] is None
+    assert "x_fa4" in common.format_table(rows, layers.TABLE_COLUMNS).splitlines()[0]
+    run = layers.LayerRun(None, None, seed=0)
+    run.rows = rows
+    meta, path = common.start_run(tmp_path, "layers")
+    common.write_json(path, layers.results(meta, {"n": 1024}, run))
+    data = only_json(tmp_path, "layers")
+    assert data["rows"] == rows and data["config"] == {"n": 1024} and data["failures"] == []
+    assert [s["impl"] for s in data["summary"]] == list(summary)
+    if HAS_MATPLOTLIB:
+        assert layers.plot(rows, path.with_suffix(".png"), "tiny") and path.with_suffix(".png").exists()

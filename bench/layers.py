@@ -1,0 +1,362 @@
+#!/usr/bin/env python3
+"""Attention kernels on real activations: the post-RoPE Q/K/V of a few layers of a causal LM on a
+long prompt of real text, captured once, then every implementation timed on the same tensors.
+
+One forward pass of ``--model`` (a model directory or a GGUF file; Llama, Qwen2 and Qwen3 families)
+over ``--n`` tokens of the essays in ``--haystack`` captures the query, key and value tensors of
+``--layers`` as the attention function receives them (after the rotary embedding), through
+transformers' attention-function registry; they stay on the GPU as ``[N, H, d]`` and the model is
+freed. Then, per layer:
+
+  cudnn           SDPA cuDNN, dense causal (K/V with repeated heads: SDPA has no GQA path for it)
+  fa4             FlashAttention-4 dense (flash_attn.cute, native GQA), when the package is installed
+  cosa            cosa.prefill at its defaults: KAP, then OSK with the in-kernel skip
+  cosa-noskip     the same with the skip off (delta 0)
+  cosa-tile       the defaults, the skip voted by all 128 rows of a tile
+  cosa-warpgroup  the defaults, the skip voted by each 64-row half of a tile
+  kap             KAP alone (stage 1: the ordered block lists)
+
+Each row has the median time, the stage-1 and realised budgets (cosa.prefill's statistics; 1 for the
+dense rows; the stage-1 budget of its lists for kap) and the error against a float32 dense reference
+on 8 query blocks spread over the prompt, every head: ``rel_err`` = ||out - ref|| / ||ref|| over
+those rows, ``max_row_err`` the largest of the same ratio for one (query, head) row. ``x_cudnn`` and
+``x_fa4``: the dense kernel's time on the layer over the row's (above 1: faster). The ops run with
+their device checks on, as a default call does.
+
+    python bench/layers.py --model DIR|FILE.gguf --haystack DIR [--n 32768] [--layers 2,8,14,20,27]
+                           [--seed 0] [--plot] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, relative_error, require_cuda,  # noqa: E402
+                    save_figure, start_run, time_ms, write_json)
+from kernel import (BLOCK, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense, guarded,  # noqa: E402
+                    load_fa4, one_line, reference_rows, rows_of, sdpa)
+
+# cosa.prefill's keyword arguments of each CoSA row, over the wrapper's defaults.
+COSA_VARIANTS = {"cosa": {}, "cosa-noskip": {"delta": 0.0}, "cosa-tile": {"vote": "tile"},
+                 "cosa-warpgroup": {"vote": "warpgroup"}}
+CHECKED_BLOCKS = 8
+TABLE_COLUMNS = ("layer", "n", "impl", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
+                 "max_row_err")
+SUMMARY_COLUMNS = ("impl", "layers", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
+                   "max_row_err")
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture
+# ---------------------------------------------------------------------------------------------
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """Five layers spread over the depth, from layer 2 to the last: 2, 8, 14, 20, 27 of 28."""
+    first = min(2, num_layers - 1)
+    step = (num_layers - 1 - first) // 4
+    return sorted({first + i * step for i in range(4)} | {num_layers - 1})
+
+
+def attention_scales(model) -> dict[int, float]:
+    """``{layer: softmax scale}`` of the model's attention modules (the ``scaling`` they hand the
+    attention function)."""
+    return {m.layer_idx: float(m.scaling) for m in model.modules()
+            if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
+
+
+def capture_layers(model_path: str, haystack: str, n: int, layers: list[int] | None, seed: int, device: str):
+    """``({layer: (q, k, v, scale)}, facts)``: one forward pass of the model over ``n`` tokens of the
+    haystack's text, q ``[n, Hq, d]`` and k, v ``[n, Hkv, d]`` on ``device``. The model is released
+    on return."""
+    from accuracy import haystack_token_ids, load_model
+    from fidelity import capture_qkv
+
+    model, tokenizer, name = load_model(model_path, device, torch.bfloat16)
+    num_layers = model.config.num_hidden_layers
+    layers = layers or default_layers(num_layers)
+    if layers[-1] >= num_layers:
+        raise ValueError(f"--layers: {name} has {num_layers} layers (0 to {num_layers - 1}), asked for {layers}")
+    ids = torch.tensor([haystack_token_ids(tokenizer, haystack, n, seed=seed)], device=device)
+    progress(f"{name}: {num_layers} layers; capturing layers {layers} at {ids.shape[1]} tokens")
+    captured = capture_qkv(model, ids, set(layers))
+    missing = sorted(set(layers) - set(captured))
+    if missing:
+        raise RuntimeError(f"no attention call of layers {missing} went through transformers' attention "
+                           "registry: this model's attention cannot be captured")
+    scales = attention_scales(model)
+    q, k, _ = captured[layers[0]]
+    facts = {"model": name, "num_layers": num_layers, "layers": layers, "hq": q.shape[1], "hkv": k.shape[1],
+             "d": q.shape[2]}
+    return {layer: (*captured[layer], scales.get(layer)) for layer in layers}, facts
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and checking one layer
+# ---------------------------------------------------------------------------------------------
+
+
+def checked_blocks(nq: int, count: int = CHECKED_BLOCKS) -> list[int]:
+    """``count`` query blocks spread evenly from the first to the last."""
+    return sorted({round(i * (nq - 1) / max(1, count - 1)) for i in range(count)})
+
+
+def errors(out_rows: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """``(||out - ref|| / ||ref|| over all the rows, the largest of that ratio for one (query, head)
+    row)`` of ``[rows, H, d]`` tensors; NaN anywhere gives NaN."""
+    diff = torch.linalg.vector_norm(out_rows.float() - ref, dim=-1)
+    per_row = diff / torch.linalg.vector_norm(ref, dim=-1)
+    return relative_error(out_rows, ref), float(per_row.max())
+
+
+@dataclass
+class Check:
+    """The float32 dense reference of one layer on its checked query blocks."""
+    n: int
+    blocks: list[int]
+    ref: torch.Tensor
+
+
+class LayerRun:
+    """Times every implementation on one captured layer after another; a failing row is reported
+    and the run goes on."""
+
+    def __init__(self, cosa_mod, fa4, seed: int):
+        self.cosa = cosa_mod
+        self.fa4 = fa4
+        self.seed = seed
+        self.rows: list[dict] = []
+        self.failures: list[str] = []
+        self.peers_left_out: dict[str, str] = {}
+
+    def guarded(self, label: str, fn, *args) -> None:
+        guarded(self.failures, label, fn, *args)
+
+    def add(self, layer: int, impl: str, ms: float, check: Check, out=None, stage1=1.0, realised=1.0) -> None:
+        rel_err, max_row_err = errors(rows_of(out, check.blocks, check.n), check.ref) if out is not None \
+            else (None, None)
+        self.rows.append({"kind": "layer", "layer": layer, "n": check.n, "impl": impl, "ms": ms,
+                          "stage1_budget": stage1, "realised_budget": realised, "rel_err": rel_err,
+                          "max_row_err": max_row_err})
+        parts = [f"layer {layer} {impl}: {ms:.3f} ms"]
+        if impl not in ("cudnn", "fa4"):
+            parts.append(f"budgets {stage1:.3f}" + (f" / {realised:.3f}" if realised is not None else ""))
+        if rel_err is not None:
+            parts.append(f"rel_err {rel_err:.2e} (max row {max_row_err:.2e})")
+        progress("  " + ", ".join(parts))
+
+    def layer(self, layer: int, q, k, v, scale: float | None) -> None:
+        """Every row of one layer: q ``[N, Hq, d]``, k, v ``[N, Hkv, d]`` on the GPU."""
+        n, hq, d = q.shape
+        group = hq // k.shape[1]
+        s = InputSet(q=q, k=k, v=v, k_rep=k.repeat_interleave(group, dim=1), v_rep=v.repeat_interleave(group, dim=1))
+        attach_paged(s, n, self.seed, self.cosa)
+        nq = -(-n // BLOCK)
+        blocks = checked_blocks(nq)
+        check = Check(n, blocks, reference_rows(q, k, v, *causal_lists(nq, hq, q.device), blocks,
+                                                scale if scale is not None else d ** -0.5))
+        self.guarded(f"layer {layer} cudnn", self.cudnn_row, layer, s, check, scale)
+        if self.fa4 is not None:
+            self.guarded(f"layer {layer} fa4", self.fa4_row, layer, s, check, scale)
+        for impl, options in COSA_VARIANTS.items():
+            self.guarded(f"layer {layer} {impl}", self.cosa_row, layer, impl, options, s, check, scale)
+        self.guarded(f"layer {layer} kap", self.kap_row, layer, s, check, scale)
+
+    def cudnn_row(self, layer, s: InputSet, check: Check, scale):
+        run = lambda: sdpa(SDPBackend.CUDNN_ATTENTION, s.bhsd_view(s.q), s.bhsd_view(s.k_rep),  # noqa: E731
+                           s.bhsd_view(s.v_rep), False, scale)
+        out = run()[0].transpose(0, 1)
+        self.add(layer, "cudnn", time_ms(run), check, out)
+
+    def fa4_row(self, layer, s: InputSet, check: Check, scale):
+        """FA4 is an optional peer: when its first call (which compiles the kernel for the shape) fails,
+        one line says why and its rows are left out from here on."""
+        run = lambda: fa4_dense(self.fa4, s.q, s.k, s.v, softmax_scale=scale)  # noqa: E731
+        try:
+            out = run()
+            torch.cuda.synchronize()
+        except Exception as error:  # noqa: BLE001  (an optional peer must not fail the run)
+            self.peers_left_out["fa4"] = one_line(error)
+            self.fa4 = None
+            progress(f"fa4: rows left out ({self.peers_left_out['fa4']})")
+            return
+        self.add(layer, "fa4", time_ms(run), check, out)
+
+    def cosa_row(self, layer, impl: str, options: dict, s: InputSet, check: Check, scale):
+        n = check.n
+        run = lambda **stats: self.cosa.prefill(  # noqa: E731
+            s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q, s.seqused_k, n, n, softmax_scale=scale,
+            **options, **stats)
+        out, stats = run(return_stats=True)
+        self.add(layer, impl, time_ms(run), check, out, stats["stage1_budget"], stats["realised_budget"])
+
+    def kap_row(self, layer, s: InputSet, check: Check, scale):
+        n = check.n
+        run = lambda: self.cosa.kap(s.q, s.k_cache, s.page_table, s.cu_seqlens_q, s.seqused_k, n, n,  # noqa: E731
+                                    softmax_scale=scale)
+        _, counts = run()
+        stage1 = int(counts.sum()) / causal_blocks(counts.shape[1], counts.shape[0])
+        self.add(layer, "kap", time_ms(run), check, stage1=stage1, realised=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """``x_cudnn``, ``x_fa4``: the dense kernel's time on the same layer over the row's (None where
+    that kernel has no row on the layer)."""
+    for anchor in ("cudnn", "fa4"):
+        base = {r["layer"]: r["ms"] for r in rows if r["impl"] == anchor}
+        for r in rows:
+            r[f"x_{anchor}"] = base[r["layer"]] / r["ms"] if r["layer"] in base else None
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per implementation over the layers: the mean of each column, the largest ``max_row_err``."""
+    summary = []
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        mine = [r for r in rows if r["impl"] == impl]
+        entry = {"impl": impl, "layers": len(mine)}
+        for key in SUMMARY_COLUMNS[2:]:
+            values = [r[key] for r in mine if r.get(key) is not None]
+            pick = max if key == "max_row_err" else (lambda vs: sum(vs) / len(vs))
+            entry[key] = pick(values) if values else None
+        summary.append(entry)
+    return summary
+
+
+def results(meta: dict, config: dict, run: LayerRun) -> dict:
+    """The results file: the run's metadata and configuration, every row, the summary per
+    implementation, the failures and the optional peers left out (with why)."""
+    return {**meta, "config": config, "rows": run.rows, "summary": summarise(run.rows), "failures": run.failures,
+            "peers_left_out": run.peers_left_out}
+
+
+def prefill_defaults(cosa_mod) -> dict:
+    """The tuning defaults of cosa.prefill, which the ``cosa`` row runs with (read from its signature)."""
+    params = inspect.signature(cosa_mod.prefill).parameters
+    return {name: params[name].default for name in ("stride", "top_p", "delta", "vote") if name in params}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    """Left: time per layer and implementation. Right: speedup over FA4 dense (cuDNN without FA4),
+    KAP left out. False when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    layers = sorted({r["layer"] for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    anchor = "fa4" if "fa4" in impls else "cudnn"
+    width = 0.8 / len(impls)
+    fig, (ax_ms, ax_x) = plt.subplots(1, 2, figsize=(15, 5.5))
+    for i, impl in enumerate(impls):
+        by_layer = {r["layer"]: r for r in rows if r["impl"] == impl}
+        xs = [j + (i - (len(impls) - 1) / 2) * width for j, layer in enumerate(layers) if layer in by_layer]
+        mine = [by_layer[layer] for layer in layers if layer in by_layer]
+        color = f"C{i % 10}"
+        ax_ms.bar(xs, [r["ms"] for r in mine], width, label=impl, color=color)
+        if impl != "kap":
+            ax_x.bar(xs, [r[f"x_{anchor}"] or 0.0 for r in mine], width, label=impl, color=color)
+    for ax in (ax_ms, ax_x):
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+        ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
+        ax.set_xlabel("layer")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, ncol=4, loc="upper center")
+    ax_ms.set_ylabel("median time (ms)")
+    ax_ms.set_title(f"{title}: one attention layer")
+    ax_x.axhline(1.0, color="black", linewidth=0.8)
+    ax_x.set_ylabel(f"{anchor} time / time (above 1: faster)")
+    ax_x.set_title(f"speedup over {anchor} dense on the same layer")
+    return save_figure(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def layer_list(text: str) -> list[int]:
+    """``"2,8,14"`` -> ``[2, 8, 14]`` (sorted, distinct, non-negative)."""
+    try:
+        layers = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of layer indices: {text!r}") from None
+    if not layers or layers[0] < 0:
+        raise argparse.ArgumentTypeError(f"layer indices must be >= 0, got {text!r}")
+    return layers
+
+
+def parse_args(argv=None):
+    p = argument_parser(__doc__)
+    p.add_argument("--model", required=True, help="a model directory or a .gguf file")
+    p.add_argument("--haystack", required=True, help="a folder of .txt files (essays): the prompt's text")
+    p.add_argument("--n", type=int, default=32768, help="prompt length in tokens, a multiple of 128")
+    p.add_argument("--layers", type=layer_list, default=None,
+                   help="comma-separated layer indices (default five spread over the depth: 2,8,14,20,27 of 28)")
+    p.add_argument("--seed", type=int, default=0, help="where in the text the prompt starts, and the page order")
+    p.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
+    p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"), help="folder for the results")
+    args = p.parse_args(argv)
+    if args.n <= 0 or args.n % BLOCK:
+        p.error("--n must be a positive multiple of 128")
+    if not Path(args.model).exists():
+        p.error(f"--model: {args.model} does not exist")
+    if not any(Path(args.haystack).glob("*.txt")):
+        p.error(f"--haystack: no .txt files in {args.haystack}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    require_cuda("bench/layers.py")
+    import cosa
+
+    if not cosa.cuda_kernels_available():
+        print("bench/layers.py needs cosa built with its CUDA kernels (see the README's Install); "
+              f"torch.ops.cosa has none here ({cosa._C_IMPORT_ERROR or 'a CPU-only build'}).", file=sys.stderr)
+        return 2
+    meta, json_path = start_run(args.out, "layers")
+    fa4, why = load_fa4()
+    if why is not None:
+        progress(f"fa4: rows left out ({why})")
+    captured, facts = capture_layers(args.model, args.haystack, args.n, args.layers, args.seed, "cuda")
+    gc.collect()
+    torch.cuda.empty_cache()
+    config = {**facts, "n": args.n, "dtype": "bfloat16", "haystack": Path(args.haystack).name, "seed": args.seed,
+              "cosa_defaults": prefill_defaults(cosa), "checked_blocks": CHECKED_BLOCKS}
+    run = LayerRun(cosa, fa4, args.seed)
+    if why is not None:
+        run.peers_left_out["fa4"] = why
+    for layer in facts["layers"]:
+        progress(f"layer {layer}")
+        run.layer(layer, *captured.pop(layer))
+        add_speedups(run.rows)
+        write_json(json_path, results(meta, config, run))
+    if args.plot and run.rows:
+        png = json_path.with_suffix(".png")
+        shown = plot(run.rows, png, f"{facts['model']}, {args.n} tokens")
+        progress(f"plot -> {png}" if shown else "no plot: matplotlib is not installed")
+    print(format_table(run.rows, TABLE_COLUMNS))
+    print()
+    print(format_table(summarise(run.rows), SUMMARY_COLUMNS))
+    return finish_report(json_path, run.failures)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
