@@ -17,23 +17,44 @@ Perplexity: ``--ppl-samples`` windows of N tokens of the haystack text; the scor
 the second half of each window given everything before it (the tokens that read a long context).
 
 Methods (prefill only; decoding is always dense):
-  dense        the model's SDPA attention
-  cosa         KAP + OSK with the in-kernel skip (--top-p, --delta, --stride)
-  kap          KAP + OSK without the skip (delta 0)
+  dense          the model's SDPA attention
+  cosa           KAP's lists run by OSK with the in-kernel skip (--top-p, --stride, --delta, --vote): the
+                 two ops that cosa.prefill chains, called one after the other so that the lists are seen
+  kap            the same lists without the skip (delta 0)
+  kap-ascending  KAP's lists sorted ascending, run by OSK with the skip at the same delta and vote: KAP's
+                 visiting order against ascending order (the realised budgets give the skip ratios)
   xattention, flexprefill, meanpool
-               the peers' masks (bench/proxies.py) turned into ascending lists and run by OSK, no skip
-Matched budgets (``--match cosa``, the default when cosa runs): each peer keeps, per layer and per
-query block, the number of blocks that gives CoSA's realised budget of that layer on the same
-prompt (proxies.budget_mask over the peer's scores). ``--match none`` runs each peer with its
-own threshold; ``--match 0.2`` fixes one budget for all.
+                 the peers' masks (bench/proxies.py) turned into ascending lists and run by OSK, no skip
+The peers' budgets (``--match``, comma-separated; each entry runs every peer once, its rows tagged
+``match``):
+  stage1    (the default when cosa runs) each (layer, head, query block) row of a peer keeps as many
+            blocks as CoSA's stage-1 list of that row on the same prompt: the blocks on which CoSA
+            computes QK^T, so that the peer does the same work before any skip
+  realised  per layer, CoSA's realised budget (after the skip) on the same prompt, the same count in
+            every row of the layer (proxies.budget_mask)
+  none      each peer's own adaptive rule: XAttention's threshold per row (--xattn-threshold),
+            FlexPrefill's pattern per head and coverage (--flex-gamma, --flex-tau), mean pooling's
+            top-p per row (--meanpool-top-p)
+  0.2       a fixed budget, the same count in every row
 
-    python bench/accuracy.py --model DIR|FILE.gguf [--lengths 4096 8192 16384 32768] [--samples 10]
-        [--tasks ...] [--methods dense,cosa,kap,xattention,flexprefill,meanpool] [--haystack-dir DIR]
-        [--ppl-samples 2] [--plot] [--out bench/results]
+Statistics: every score (per method, task and length, and the mean over the tasks) comes with a 95%
+percentile bootstrap interval over its prompts (``--bootstrap`` resamples, seeded); every sparse
+method's score with its paired difference from dense on the same prompts and that difference's own
+bootstrap interval (``diff``; ``*`` in the table where the interval excludes 0: the two are told
+apart). Perplexity: an interval over the windows, and the paired ratio to dense's.
+
+Tasks that dense attention itself fails at a length (mean score below ``--min-dense-score``) cannot
+tell the sparse methods apart: with ``--drop-failed-tasks`` (the default) dense runs every task of a
+length first, and the failed tasks are reported and not run by the other methods at that length.
+
+    python bench/accuracy.py --model DIR|FILE.gguf [--lengths 8192 16384 32768] [--samples 50]
+        [--tasks ...] [--methods dense,cosa,kap,kap-ascending,xattention,flexprefill,meanpool]
+        [--match stage1,none] [--haystack-dir DIR] [--ppl-samples 8] [--plot] [--out bench/results]
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import re
@@ -45,15 +66,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (add_run_arguments, argument_parser, format_table, progress, resolve_device,  # noqa: E402
-                    save_figure, start_run, write_json)
+from common import (add_run_arguments, argument_parser, bootstrap_interval, format_table,  # noqa: E402
+                    paired_difference, progress, resolve_device, save_figure, start_run, write_json)
 
+import cosa  # noqa: E402
 import proxies  # noqa: E402
+from cosa import defaults, reference  # noqa: E402
+from cosa.layout import paged_from_contiguous  # noqa: E402
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
-METHODS = ("dense", "cosa", "kap", "xattention", "flexprefill", "meanpool")
-SCORE_COLUMNS = ("method", "n", "task", "score", "samples", "stage1", "realised")
-SUMMARY_COLUMNS = ("method", "n", "score", "ppl", "stage1", "realised")
+METHODS = ("dense", "cosa", "kap", "kap-ascending", *proxies.PEERS)
+MATCH_RULES = ("stage1", "realised", "none")
+SCORE_COLUMNS = ("method", "match", "n", "task", "score [95% CI]", "diff vs dense [95% CI]", "samples", "stage1",
+                 "realised")
+SUMMARY_COLUMNS = ("method", "match", "n", "score [95% CI]", "diff vs dense [95% CI]", "ppl [95% CI]",
+                   "ppl / dense [95% CI]", "stage1", "realised", "skipped")
+DENSE_BUDGETS = {"stage1": 1.0, "realised": 1.0}
 
 # ---------------------------------------------------------------------------------------------
 # Model and text
@@ -256,65 +284,105 @@ def score_answer(text: str, answers: list[str]) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+def kap_lists(q: torch.Tensor, k: torch.Tensor, args, softmax_scale: float | None):
+    """KAP's ordered lists ``(order, counts)`` of one sequence (``cosa.kap``: the CUDA kernel on the GPU)."""
+    layout = paged_from_contiguous(q, k)
+    return cosa.kap(*(layout[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
+                                                "max_seqlen_q", "max_seqlen_k")),
+                    stride=args.stride, top_p=args.top_p, softmax_scale=softmax_scale)
+
+
+def ascending_lists(order: torch.Tensor, counts: torch.Tensor):
+    """The same blocks in ascending order in each list."""
+    return proxies.mask_to_lists(proxies.lists_to_mask(order, counts))
+
+
+def arms_of(args) -> list[tuple[str, str | None]]:
+    """The runs on every prompt, ``(method, match)``, in the order they run: dense, then cosa (whose
+    lists and budgets the peers are matched to), then the rest; each peer once per --match entry."""
+    return [(method, match) for method in METHODS if method in args.methods
+            for match in (args.match if method in proxies.PEERS else [None])]
+
+
 class Runner:
-    """Runs one method's prefill on a model: a context manager per call, with the budgets it used."""
+    """Runs one method's prefill on a model and reports the budgets it used. It keeps CoSA's lists and
+    per-layer realised budgets of the current prompt (:meth:`new_prompt` forgets them) for the peers
+    matched to them."""
 
     def __init__(self, model, args):
         self.model = model
         self.args = args
+        self.lists: dict = {}  # (layer, Sq, Sk) -> list lengths [Hq, nq] of each sparse call of the last run
+        self.cosa_lists: dict | None = None
+        self.cosa_realised: dict | None = None
 
-    def context(self, method: str, budget_of):
-        from cosa.integrations import transformers as cosa_hf
+    def new_prompt(self) -> None:
+        self.cosa_lists = self.cosa_realised = None
 
-        a = self.args
-        if method == "dense":
-            return None
-        common = dict(stride=a.stride, min_prefill_tokens=a.min_prefill_tokens, collect_stats=True)
-        if method == "cosa":
-            return cosa_hf.enable(self.model, top_p=a.top_p, delta=a.delta, **common)
-        if method == "kap":
-            return cosa_hf.enable(self.model, top_p=a.top_p, delta=0.0, **common)
-        return cosa_hf.enable(self.model, delta=0.0, block_selector=self.selector(method, budget_of), **common)
-
-    def selector(self, method: str, budget_of):
+    def selector(self, method: str, match: str | None):
+        """The block selector of a sparse method: ``(module, q, k) -> (order, counts)``, recording the
+        list lengths of every call in :attr:`lists`."""
         a = self.args
 
         def select(module, q, k):
-            scores, natural = proxies.peer_selection(
-                method, q, k, stride=a.stride, xattn_threshold=a.xattn_threshold, flex_gamma=a.flex_gamma,
-                flex_tau=a.flex_tau, meanpool_top_p=a.meanpool_top_p, softmax_scale=getattr(module, "scaling", None))
-            budget = None if budget_of is None else budget_of(getattr(module, "layer_idx", None))
-            mask = natural if budget is None else proxies.budget_mask(scores, budget, k.shape[0] - q.shape[0])
-            return proxies.mask_to_lists(mask)
+            scale = getattr(module, "scaling", None)
+            call = (getattr(module, "layer_idx", None), q.shape[0], k.shape[0])
+            if method in ("cosa", "kap"):
+                order, counts = kap_lists(q, k, a, scale)
+            elif method == "kap-ascending":
+                order, counts = ascending_lists(*kap_lists(q, k, a, scale))
+            else:
+                order, counts = proxies.mask_to_lists(self.peer_mask(method, match, call, q, k, scale))
+            self.lists[call] = counts
+            return order, counts
 
         return select
 
-    def run(self, method: str, fn, budget_of):
-        """``(fn(), budgets)`` with ``method``'s prefill (peers at ``budget_of(layer)`` blocks when
-        given): the stage-1 and realised budgets and the realised budget per layer."""
-        handle = self.context(method, budget_of)
-        if handle is None:
+    def peer_mask(self, method: str, match: str, call: tuple, q, k, scale):
+        a = self.args
+        scores, own = proxies.peer_selection(
+            method, q, k, stride=a.stride, xattn_threshold=a.xattn_threshold, flex_gamma=a.flex_gamma,
+            flex_tau=a.flex_tau, meanpool_top_p=a.meanpool_top_p, softmax_scale=scale)
+        prefix = k.shape[0] - q.shape[0]
+        if match == "none":
+            return own
+        if match == "stage1":
+            return proxies.counts_mask(scores, self.cosa_record(self.cosa_lists, call, "lists"), prefix)
+        if match == "realised":
+            return proxies.budget_mask(scores, self.cosa_record(self.cosa_realised, call[0], "budget"), prefix)
+        return proxies.budget_mask(scores, float(match), prefix)
+
+    @staticmethod
+    def cosa_record(records: dict | None, key, what: str):
+        # A peer matched to CoSA runs only after CoSA on the same prompt; a missing record is a bug in the
+        # order of the runs, and a peer run on its own rule instead would be mislabelled.
+        if records is None or key not in records:
+            raise RuntimeError(f"no CoSA {what} for {key} on this prompt: cosa must run before the matched peers")
+        return records[key]
+
+    def run(self, method: str, match: str | None, fn):
+        """``(fn(), budgets)`` with ``method``'s prefill (the peers per ``match``): the stage-1 and
+        realised budgets over the sparse calls (1.0 when every call stayed dense)."""
+        from cosa.integrations import transformers as cosa_hf
+
+        a = self.args
+        self.lists = {}
+        if method == "dense":
             with torch.no_grad():
-                return fn(), {"stage1": 1.0, "realised": 1.0, "per_layer": None}
+                return fn(), dict(DENSE_BUDGETS)
+        delta = a.delta if method in ("cosa", "kap-ascending") else 0.0
+        handle = cosa_hf.enable(self.model, stride=a.stride, delta=delta, vote=a.vote,
+                                min_prefill_tokens=a.min_prefill_tokens, collect_stats=True,
+                                block_selector=self.selector(method, match))
         with handle, torch.no_grad():
             result = fn()
         summary = handle.summary()
+        if method == "cosa":
+            self.cosa_lists = self.lists
+            self.cosa_realised = {layer: v["realised_budget"] for layer, v in summary.get("per_layer", {}).items()}
         if not handle.sparse_calls:
-            return result, {"stage1": 1.0, "realised": 1.0, "per_layer": None}
-        per_layer = {layer: v["realised_budget"] for layer, v in summary.get("per_layer", {}).items()}
-        return result, {"stage1": summary["stage1_budget"], "realised": summary["realised_budget"],
-                        "per_layer": per_layer}
-
-
-def match_budgets(args, method: str, cosa_budgets: dict | None):
-    """The budget a peer keeps at each layer, as a function of the layer index (None: the peer's
-    own threshold)."""
-    if method not in proxies.PEERS or args.match == "none":
-        return None
-    if args.match == "cosa":
-        return None if cosa_budgets is None else cosa_budgets.get
-    fixed = float(args.match)
-    return lambda layer: fixed
+            return result, dict(DENSE_BUDGETS)
+        return result, {"stage1": summary["stage1_budget"], "realised": summary["realised_budget"]}
 
 
 def generate(model, tokenizer, ids: list[int], max_new_tokens: int) -> str:
@@ -349,55 +417,92 @@ def tail_nll(model, ids: list[int]) -> tuple[float, int]:
 
 
 def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path) -> dict:
+    """Runs every arm on every prompt and perplexity window; returns the results payload."""
     from tqdm.auto import tqdm
 
     runner = Runner(model, args)
     sentences = haystack_sentences(args.haystack_dir, args.seed)
-    ordered = sorted(args.methods, key=lambda m: m != "cosa")  # cosa first: its budgets are matched
+    arms = arms_of(args)
+    sparse_arms = [arm for arm in arms if arm[0] != "dense"]
+    judge_tasks = args.drop_failed_tasks and ("dense", None) in arms
+    if args.drop_failed_tasks and not judge_tasks:
+        progress("dense does not run: no task is judged or dropped")
     samples: list[dict] = []
     ppl_rows: list[dict] = []
-    total = len(args.lengths) * (len(args.tasks) * args.samples + args.ppl_samples) * len(ordered)
+    dropped: list[dict] = []
+    total = len(args.lengths) * (len(args.tasks) * args.samples + args.ppl_samples) * len(arms)
     bar = tqdm(total=total, desc="accuracy", file=sys.stderr, dynamic_ncols=True)
 
     def save(final=False):
-        payload = {**meta, "model": name, "config": config_of(args), "samples": samples, "ppl": ppl_rows}
+        payload = {**meta, "model": name, "config": config_of(args), "samples": samples, "ppl": ppl_rows,
+                   "dropped": dropped}
         if final:
-            payload["scores"], payload["summary"] = aggregate(samples, ppl_rows)
+            payload["scores"], payload["summary"] = aggregate(samples, ppl_rows, dropped, args.bootstrap, args.seed)
         write_json(json_path, payload)
+        return payload
+
+    def answer_task(n, task, s, prompt, arms_here):
+        ids, answers = prompt
+        runner.new_prompt()
+        for method, match in arms_here:
+            bar.set_postfix_str(f"n={n} {task} #{s} {method}" + (f" ({match})" if match else ""))
+            text, budgets = runner.run(method, match, lambda: generate(model, tokenizer, ids, args.max_new_tokens))
+            samples.append({"method": method, "match": match, "n": n, "task": task, "sample": s, "tokens": len(ids),
+                            "score": score_answer(text, answers), "answer": text.strip()[:200], "expected": answers,
+                            **budgets})
+            bar.update(1)
 
     for n in args.lengths:
-        for task in args.tasks:
-            for s in range(args.samples):
-                ids, answers = build_prompt(tokenizer, task, n, args.seed + s, sentences)
-                cosa_budgets = None
-                for method in ordered:
-                    bar.set_postfix_str(f"n={n} {task} #{s} {method}")
-                    answer = lambda ids=ids: generate(model, tokenizer, ids, args.max_new_tokens)  # noqa: E731
-                    text, budgets = runner.run(method, answer, match_budgets(args, method, cosa_budgets))
-                    if method == "cosa":
-                        cosa_budgets = budgets["per_layer"]
-                    samples.append({"method": method, "n": n, "task": task, "sample": s, "tokens": len(ids),
-                                    "score": score_answer(text, answers), "answer": text.strip()[:200],
-                                    "expected": answers, "stage1": budgets["stage1"], "realised": budgets["realised"]})
-                    bar.update(1)
+        prompts: dict = {}  # one length's prompts, built once for dense and the sparse methods
+
+        def prompt(task, s):
+            if (task, s) not in prompts:
+                prompts[task, s] = build_prompt(tokenizer, task, n, args.seed + s, sentences)
+            return prompts[task, s]
+
+        kept = list(args.tasks)
+        if judge_tasks:
+            for task in args.tasks:
+                for s in range(args.samples):
+                    answer_task(n, task, s, prompt(task, s), [("dense", None)])
                 save()
+            failed = dropped_tasks(samples, n, args.min_dense_score, args.bootstrap, args.seed)
+            for row in failed:
+                progress(f"n={n}: {row['task']} dropped, dense scores {interval_text(row, 'score')} "
+                         f"< {args.min_dense_score:g}")
+            dropped += failed
+            kept = [t for t in args.tasks if t not in {row["task"] for row in failed}]
+            bar.total -= len(failed) * args.samples * len(sparse_arms)
+            bar.refresh()
+        for task in kept:
+            for s in range(args.samples):
+                answer_task(n, task, s, prompt(task, s), sparse_arms if judge_tasks else arms)
+            save()
         for s in range(args.ppl_samples):
             ids = haystack_token_ids(tokenizer, args.ppl_dir or args.haystack_dir, n, seed=args.seed + 1000 + s)
-            cosa_budgets = None
-            for method in ordered:
-                bar.set_postfix_str(f"n={n} ppl #{s} {method}")
-                (nll, count), budgets = runner.run(method, lambda ids=ids: tail_nll(model, ids),
-                                                   match_budgets(args, method, cosa_budgets))
-                if method == "cosa":
-                    cosa_budgets = budgets["per_layer"]
-                ppl_rows.append({"method": method, "n": n, "sample": s, "nll": nll, "tokens": count,
-                                 "ppl": math.exp(nll / count), "stage1": budgets["stage1"],
-                                 "realised": budgets["realised"]})
+            runner.new_prompt()
+            for method, match in arms:
+                bar.set_postfix_str(f"n={n} ppl #{s} {method}" + (f" ({match})" if match else ""))
+                (nll, count), budgets = runner.run(method, match, lambda: tail_nll(model, ids))
+                ppl_rows.append({"method": method, "match": match, "n": n, "sample": s, "nll": nll, "tokens": count,
+                                 "ppl": math.exp(nll / count), **budgets})
                 bar.update(1)
             save()
     bar.close()
-    save(final=True)
-    return aggregate(samples, ppl_rows)
+    return save(final=True)
+
+
+def dropped_tasks(samples: list[dict], n: int, min_score: float, resamples: int, seed: int) -> list[dict]:
+    """The tasks whose dense mean score at length ``n`` is below ``min_score``, with that score and
+    its interval: tasks that dense attention fails cannot tell sparse methods apart."""
+    out = []
+    for task in dict.fromkeys(r["task"] for r in samples if r["method"] == "dense" and r["n"] == n):
+        scores = [r["score"] for r in samples if (r["method"], r["n"], r["task"]) == ("dense", n, task)]
+        mean = sum(scores) / len(scores)
+        if mean < min_score:
+            low, high = bootstrap_interval(scores, resamples, seed)
+            out.append({"n": n, "task": task, "score": mean, "ci_low": low, "ci_high": high, "samples": len(scores)})
+    return out
 
 
 def _mean(values):
@@ -405,30 +510,114 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
-def aggregate(samples: list[dict], ppl_rows: list[dict]):
-    """Per (method, n, task) scores, and per (method, n) the mean score, perplexity and budgets."""
+def arm_order(method: str, match: str | None):
+    return METHODS.index(method), "" if match is None else match
+
+
+def prompt_of(row: dict) -> tuple:
+    return row["n"], row["task"], row["sample"]
+
+
+def score_statistics(rows: list[dict], dense: dict, resamples: int, seed: int) -> dict:
+    """Mean score of ``rows`` with its bootstrap interval, and the paired difference from the dense
+    scores of the same prompts (``dense[prompt_of(row)]``; no difference for dense itself)."""
+    out = {"score": None, "ci_low": None, "ci_high": None, "samples": len(rows), "diff": None,
+           "diff_ci_low": None, "diff_ci_high": None, "diff_excludes_zero": None}
+    if not rows:
+        return out
+    scores = [r["score"] for r in rows]
+    out["score"] = sum(scores) / len(scores)
+    out["ci_low"], out["ci_high"] = bootstrap_interval(scores, resamples, seed)
+    pairs = [(r["score"], dense[prompt_of(r)]) for r in rows if r["method"] != "dense" and prompt_of(r) in dense]
+    if pairs:
+        diff, low, high = paired_difference(*zip(*pairs, strict=True), resamples=resamples, seed=seed)
+        out.update(diff=diff, diff_ci_low=low, diff_ci_high=high, diff_excludes_zero=low > 0 or high < 0)
+    return out
+
+
+def perplexity_statistics(rows: list[dict], dense: dict, resamples: int, seed: int) -> dict:
+    """Perplexity over the windows of ``rows`` (exp of the mean of each window's mean NLL per token),
+    its bootstrap interval over the windows, and the paired ratio to dense's on the same windows."""
+    out = {"ppl": None, "ppl_ci_low": None, "ppl_ci_high": None, "windows": len(rows), "ppl_ratio": None,
+           "ppl_ratio_ci_low": None, "ppl_ratio_ci_high": None, "ppl_ratio_excludes_one": None}
+    if not rows:
+        return out
+    nll = [r["nll"] / r["tokens"] for r in rows]
+    low, high = bootstrap_interval(nll, resamples, seed)
+    out.update(ppl=math.exp(sum(nll) / len(nll)), ppl_ci_low=math.exp(low), ppl_ci_high=math.exp(high))
+    pairs = [(r["nll"] / r["tokens"], dense[r["sample"]]) for r in rows
+             if r["method"] != "dense" and r["sample"] in dense]
+    if pairs:
+        diff, low, high = paired_difference(*zip(*pairs, strict=True), resamples=resamples, seed=seed)
+        out.update(ppl_ratio=math.exp(diff), ppl_ratio_ci_low=math.exp(low), ppl_ratio_ci_high=math.exp(high),
+                   ppl_ratio_excludes_one=low > 0 or high < 0)
+    return out
+
+
+def aggregate(samples: list[dict], ppl_rows: list[dict], dropped: list[dict], resamples: int, seed: int):
+    """Per (method, match, n, task) scores, and per (method, match, n) the score over the tasks not
+    dropped at that length, perplexity, budgets and the share of stage-1 blocks the skip left out."""
+    dropped_at = {(d["n"], d["task"]) for d in dropped}
+    dense_scores = {prompt_of(r): r["score"] for r in samples if r["method"] == "dense"}
     scores, summary = [], []
-    keys = sorted({(r["method"], r["n"], r["task"]) for r in samples}, key=lambda k: (METHODS.index(k[0]), k[1], k[2]))
-    for method, n, task in keys:
-        rs = [r for r in samples if (r["method"], r["n"], r["task"]) == (method, n, task)]
-        scores.append({"method": method, "n": n, "task": task, "score": _mean(r["score"] for r in rs),
-                       "samples": len(rs), "stage1": _mean(r["stage1"] for r in rs),
-                       "realised": _mean(r["realised"] for r in rs)})
-    pairs = sorted({(r["method"], r["n"]) for r in samples + ppl_rows}, key=lambda k: (METHODS.index(k[0]), k[1]))
-    for method, n in pairs:
-        rs = [r for r in samples if (r["method"], r["n"]) == (method, n)]
-        ps = [r for r in ppl_rows if (r["method"], r["n"]) == (method, n)]
-        ppl = math.exp(sum(r["nll"] for r in ps) / sum(r["tokens"] for r in ps)) if ps else None
-        summary.append({"method": method, "n": n, "score": _mean(r["score"] for r in rs), "ppl": ppl,
-                        "stage1": _mean(r["stage1"] for r in rs + ps),
-                        "realised": _mean(r["realised"] for r in rs + ps)})
+    arms = sorted({(r["method"], r["match"]) for r in samples + ppl_rows}, key=lambda arm: arm_order(*arm))
+    for method, match in arms:
+        mine = [r for r in samples if (r["method"], r["match"]) == (method, match)]
+        for n, task in sorted({(r["n"], r["task"]) for r in mine}):
+            rs = [r for r in mine if (r["n"], r["task"]) == (n, task)]
+            scores.append({"method": method, "match": match, "n": n, "task": task, "dropped": (n, task) in dropped_at,
+                           **score_statistics(rs, dense_scores, resamples, seed),
+                           "stage1": _mean(r["stage1"] for r in rs), "realised": _mean(r["realised"] for r in rs)})
+        for n in sorted({r["n"] for r in samples + ppl_rows if (r["method"], r["match"]) == (method, match)}):
+            rs = [r for r in mine if r["n"] == n and (n, r["task"]) not in dropped_at]
+            ps = [r for r in ppl_rows if (r["method"], r["match"], r["n"]) == (method, match, n)]
+            dense_nll = {r["sample"]: r["nll"] / r["tokens"] for r in ppl_rows if (r["method"], r["n"]) == ("dense", n)}
+            stage1, realised = _mean(r["stage1"] for r in rs + ps), _mean(r["realised"] for r in rs + ps)
+            summary.append({"method": method, "match": match, "n": n,
+                            "tasks": len({r["task"] for r in rs}),
+                            **score_statistics(rs, dense_scores, resamples, seed),
+                            **perplexity_statistics(ps, dense_nll, resamples, seed),
+                            "stage1": stage1, "realised": realised,
+                            "skipped": 1 - realised / stage1 if stage1 else None})
     return scores, summary
 
 
 def config_of(args) -> dict:
     return {k: getattr(args, k) for k in ("lengths", "tasks", "methods", "samples", "ppl_samples", "top_p", "delta",
-                                          "stride", "min_prefill_tokens", "match", "xattn_threshold", "flex_gamma",
-                                          "flex_tau", "meanpool_top_p", "max_new_tokens", "seed", "haystack_dir")}
+                                          "vote", "stride", "min_prefill_tokens", "match", "xattn_threshold",
+                                          "flex_gamma", "flex_tau", "meanpool_top_p", "max_new_tokens",
+                                          "drop_failed_tasks", "min_dense_score", "bootstrap", "seed",
+                                          "haystack_dir")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+
+def interval_text(row: dict, field: str, low: str = "ci_low", high: str = "ci_high", mark: str | None = None,
+                  digits: int = 3) -> str | None:
+    """``value [low, high]`` of a result row (None when the row has no value), ``*`` appended when
+    the row's ``mark`` flag is set."""
+    if row.get(field) is None:
+        return None
+    text = f"{row[field]:.{digits}f} [{row[low]:.{digits}f}, {row[high]:.{digits}f}]"
+    return text + ("*" if mark and row.get(mark) else "")
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """Result rows with their intervals as ``value [low, high]`` cells (:data:`SCORE_COLUMNS`,
+    :data:`SUMMARY_COLUMNS`)."""
+    return [{**r, "score [95% CI]": interval_text(r, "score"),
+             "diff vs dense [95% CI]": interval_text(r, "diff", "diff_ci_low", "diff_ci_high", "diff_excludes_zero"),
+             "ppl [95% CI]": interval_text(r, "ppl", "ppl_ci_low", "ppl_ci_high", digits=2),
+             "ppl / dense [95% CI]": interval_text(r, "ppl_ratio", "ppl_ratio_ci_low", "ppl_ratio_ci_high",
+                                                   "ppl_ratio_excludes_one", digits=4)}
+            for r in rows]
+
+
+def arm_label(row: dict) -> str:
+    return row["method"] if row["match"] is None else f"{row['method']} ({row['match']})"
 
 
 def plot(summary: list[dict], path: Path) -> bool:
@@ -438,50 +627,83 @@ def plot(summary: list[dict], path: Path) -> bool:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
-    for method in METHODS:
-        rs = sorted((r for r in summary if r["method"] == method), key=lambda r: r["n"])
-        if any(r["score"] is not None for r in rs):
-            ax1.plot([r["n"] for r in rs if r["score"] is not None], [r["score"] for r in rs if r["score"] is not None],
-                     marker="o", label=method)
-        if any(r["ppl"] is not None for r in rs):
-            ax2.plot([r["n"] for r in rs if r["ppl"] is not None], [r["ppl"] for r in rs if r["ppl"] is not None],
-                     marker="o", label=method)
-    for ax, title in ((ax1, "RULER-style score (mean over tasks)"), (ax2, "perplexity of the second half")):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    arms = list(dict.fromkeys(arm_label(r) for r in sorted(summary, key=lambda r: arm_order(r["method"], r["match"]))))
+    for i, label in enumerate(arms):
+        rs = sorted((r for r in summary if arm_label(r) == label), key=lambda r: r["n"])
+        # Each arm's points sit a little apart along the length axis, so that overlapping bars stay readable.
+        shift = 2 ** (0.04 * (i - (len(arms) - 1) / 2))
+        for ax, field, low, high in ((ax1, "score", "ci_low", "ci_high"), (ax2, "ppl", "ppl_ci_low", "ppl_ci_high")):
+            points = [r for r in rs if r[field] is not None]
+            if points:
+                ax.errorbar([r["n"] * shift for r in points], [r[field] for r in points],
+                            yerr=[[r[field] - r[low] for r in points], [r[high] - r[field] for r in points]],
+                            marker="o", capsize=3, label=label)
+    for ax, title in ((ax1, "RULER-style score, mean over the tasks kept (95% CI)"),
+                      (ax2, "perplexity of the second half (95% CI over windows)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt length (tokens)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.has_data():
+            ax.legend(fontsize="small")
     return save_figure(fig, path)
+
+
+def parse_match(text: str) -> list[str]:
+    """--match: comma-separated entries of stage1, realised, none or a budget in (0, 1] (written as
+    ``%g``), repeats dropped."""
+    entries = []
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        if entry not in MATCH_RULES:
+            try:
+                budget = float(entry)
+            except ValueError:
+                budget = math.nan
+            if not 0 < budget <= 1:
+                raise ValueError(f"--match: {entry!r} is none of {', '.join(MATCH_RULES)} nor a budget in (0, 1]")
+            entry = f"{budget:g}"
+        entries.append(entry)
+    if not entries:
+        raise ValueError("--match: no entry")
+    return list(dict.fromkeys(entries))
 
 
 def parse_args(argv=None):
     p = argument_parser(__doc__)
     p.add_argument("--model", required=True, help="a model directory or a .gguf file")
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768],
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768],
                    help="prompt lengths in tokens, one run of every task and perplexity window at each "
-                        "(default 4096 8192 16384 32768)")
-    p.add_argument("--samples", type=int, default=10, help="prompts per task and length (default 10)")
+                        "(default 8192 16384 32768)")
+    p.add_argument("--samples", type=int, default=50,
+                   help="prompts per task and length (default 50: a score's 95%% interval is then about "
+                        "+-0.14 at worst, for a 0/1 task at 0.5)")
     p.add_argument("--tasks", default=",".join(TASKS),
                    help=f"comma-separated, of {','.join(TASKS)} (default all; empty: none)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated, of {','.join(METHODS)} (default all)")
-    p.add_argument("--ppl-samples", type=int, default=2, help="perplexity windows per length (0: none; default 2)")
+    p.add_argument("--ppl-samples", type=int, default=8, help="perplexity windows per length (0: none; default 8)")
     p.add_argument("--haystack-dir", default=None, help="folder of .txt files (default: synthetic filler)")
     p.add_argument("--ppl-dir", default=None, help="folder of .txt files for perplexity (default: the haystack)")
-    p.add_argument("--top-p", type=float, default=0.95,
-                   help="KAP's top-p, the share of the proxy mass its lists keep (cosa and kap; default 0.95)")
-    p.add_argument("--delta", type=float, default=2000.0,
-                   help="OSK's skip threshold for cosa (<= 0: no in-kernel skip; kap and the peers always "
-                        "run without it; default 2000)")
-    p.add_argument("--stride", type=int, default=8,
-                   help="antidiagonal downsampling stride of KAP and of XAttention, a divisor of 128 (default 8)")
+    p.add_argument("--top-p", type=float, default=defaults.TOP_P,
+                   help=f"KAP's top-p, the share of the proxy mass its lists keep (cosa, kap and "
+                        f"kap-ascending; default {defaults.TOP_P})")
+    p.add_argument("--delta", type=float, default=defaults.DELTA,
+                   help=f"OSK's skip threshold for cosa and kap-ascending (<= 0: no in-kernel skip; kap and "
+                        f"the peers always run without it; default {defaults.DELTA:g})")
+    p.add_argument("--vote", choices=reference.VOTE_SCOPES, default=defaults.VOTE,
+                   help=f"who decides a skip together, each 64-row half of a tile or the tile (cosa and "
+                        f"kap-ascending; default {defaults.VOTE})")
+    p.add_argument("--stride", type=int, default=defaults.STRIDE,
+                   help=f"antidiagonal downsampling stride of KAP and of XAttention, a divisor of 128 "
+                        f"(default {defaults.STRIDE})")
     p.add_argument("--min-prefill-tokens", type=int, default=1024,
                    help="prefills shorter than this stay dense (every method; default 1024)")
     p.add_argument("--match", default=None,
-                   help="peers' budgets: cosa (CoSA's per-layer realised budget; default when cosa runs), "
-                        "none (their own thresholds), or a fraction")
+                   help="the peers' budgets, comma-separated, each entry a run of every peer: stage1 (per "
+                        "row, the length of CoSA's stage-1 list; the default when cosa runs), realised "
+                        "(per layer, CoSA's realised budget), none (their own adaptive rules; the default "
+                        "otherwise), or a fixed budget in (0, 1]; e.g. stage1,none")
     p.add_argument("--xattn-threshold", type=float, default=0.9,
                    help="XAttention's own rule (with --match none): per query block, the blocks whose "
                         "normalised scores sum to this threshold (default 0.9)")
@@ -497,6 +719,14 @@ def parse_args(argv=None):
                         "probabilities (default 0.95)")
     p.add_argument("--max-new-tokens", type=int, default=48,
                    help="tokens of each greedy answer to a task prompt (default 48)")
+    p.add_argument("--drop-failed-tasks", action=argparse.BooleanOptionalAction, default=True,
+                   help="run dense first at each length and leave out of the other methods the tasks "
+                        "whose dense score is below --min-dense-score (default on; needs dense among "
+                        "--methods)")
+    p.add_argument("--min-dense-score", type=float, default=0.5,
+                   help="the dense mean score a task needs at a length to stay in (default 0.5)")
+    p.add_argument("--bootstrap", type=int, default=2000,
+                   help="bootstrap resamples of every interval (default 2000)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                    help="dtype of the model's weights and activations (default bfloat16)")
     add_run_arguments(p)
@@ -508,16 +738,14 @@ def parse_args(argv=None):
         unknown = sorted(set(given) - set(known))
         if unknown:
             p.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-    if args.match is None:
-        args.match = "cosa" if "cosa" in args.methods else "none"
-    elif args.match not in ("cosa", "none"):
-        try:
-            if not 0 < float(args.match) <= 1:
-                raise ValueError
-        except ValueError:
-            p.error("--match: cosa, none, or a budget in (0, 1]")
-    if args.match == "cosa" and "cosa" not in args.methods:
-        p.error("--match cosa needs cosa among --methods")
+    try:
+        args.match = parse_match(args.match or ("stage1" if "cosa" in args.methods else "none"))
+    except ValueError as e:
+        p.error(str(e))
+    if "cosa" not in args.methods and {"stage1", "realised"} & set(args.match):
+        p.error("--match stage1 and realised need cosa among --methods")
+    if args.samples < 1 or args.bootstrap < 1:
+        p.error("--samples and --bootstrap must be at least 1")
     return args
 
 
@@ -527,13 +755,20 @@ def main(argv=None) -> int:
     progress(f"loading {args.model}")
     model, tokenizer, name = load_model(args.model, args.device, getattr(torch, args.dtype))
     progress(f"{name}: {model.config.num_hidden_layers} layers, {model.config.num_attention_heads} query heads")
-    scores, summary = evaluate(args, model, tokenizer, name, meta, json_path)
-    if args.plot and summary:
+    results = evaluate(args, model, tokenizer, name, meta, json_path)
+    if args.plot and results["summary"]:
         png = json_path.with_suffix(".png")
-        progress(f"plot -> {png}" if plot(summary, png) else "no plot: matplotlib is not installed")
-    print(format_table(scores, SCORE_COLUMNS))
+        progress(f"plot -> {png}" if plot(results["summary"], png) else "no plot: matplotlib is not installed")
+    print(format_table(table_rows(results["scores"]), SCORE_COLUMNS))
     print()
-    print(format_table(summary, SUMMARY_COLUMNS))
+    print(format_table(table_rows(results["summary"]), SUMMARY_COLUMNS))
+    print("\ndiff vs dense: the mean of method - dense over the same prompts, its paired 95% bootstrap interval; "
+          "* where the interval excludes 0.\nppl / dense: the same on the windows' mean NLL, as a ratio; * where "
+          "the interval excludes 1.\nsummary score: over the tasks kept at each length; skipped: the share of the "
+          "stage-1 blocks that the skip left out.")
+    for row in results["dropped"]:
+        print(f"dropped at n={row['n']}: {row['task']} (dense {interval_text(row, 'score')} "
+              f"< {args.min_dense_score:g})")
     print(f"\nresults: {json_path}")
     return 0
 

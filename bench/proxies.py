@@ -29,6 +29,8 @@ The peers are re-implemented from their papers (our own code, not theirs):
 Matched budgets: :func:`budget_mask` keeps, per (head, query block) row, the same number of blocks
 ``max(min(2, n), round(budget * n))`` (``n`` causal candidates, sink and diagonal first) for every
 method, ranked by the method's scores; KAP ranks HRM blocks first, then by score (its order).
+:func:`counts_mask` keeps a given number of blocks in each row instead (another method's list
+lengths, e.g. KAP's stage-1 counts), ranked the same way.
 
 :func:`structured_problem` is the fidelity generator: ``cosa.testing.random_problem(structure="mixed")``
 (attention sinks, a local band, planted needles) plus **vertical stripes** (single key tokens that
@@ -400,16 +402,25 @@ def budget_counts(nq: int, nk: int, prefix: int, budget: float, device=None) -> 
     return torch.maximum(torch.round(budget * n), n.clamp(max=2)).clamp(max=n).long()
 
 
-def budget_mask(scores: torch.Tensor, budget: float, prefix: int | None = None) -> torch.Tensor:
-    """The same number of blocks per row for every method (:func:`budget_counts`), the sink and
-    diagonal first, then the highest scores (ties: the lower block index)."""
+def counts_mask(scores: torch.Tensor, counts: torch.Tensor, prefix: int | None = None) -> torch.Tensor:
+    """``counts`` blocks in each (head, query block) row (``counts`` broadcasts to ``[Hq, nq]``), the
+    sink and diagonal first, then the highest scores (ties: the lower block index); a count above a
+    row's candidates keeps all of them."""
     prefix = _prefix_of(scores) if prefix is None else prefix
     hq, nq, nk = scores.shape
     key, cand = _with_forced(scores, prefix)
     idx = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    want = budget_counts(nq, nk, prefix, budget, scores.device)
-    keep_sorted = (torch.arange(nk, device=scores.device)[None, None, :] < want[None, :, None]).expand(hq, nq, nk)
+    want = counts.to(scores.device).expand(hq, nq)
+    keep_sorted = torch.arange(nk, device=scores.device)[None, None, :] < want[..., None]
     return torch.zeros_like(keep_sorted).scatter(-1, idx, keep_sorted) & cand
+
+
+def budget_mask(scores: torch.Tensor, budget: float, prefix: int | None = None) -> torch.Tensor:
+    """The same number of blocks per row for every method (:func:`budget_counts`), ranked as in
+    :func:`counts_mask`."""
+    prefix = _prefix_of(scores) if prefix is None else prefix
+    hq, nq, nk = scores.shape
+    return counts_mask(scores, budget_counts(nq, nk, prefix, budget, scores.device)[None, :], prefix)
 
 
 def mask_to_lists(mask: torch.Tensor):
@@ -511,7 +522,7 @@ def structured_problem(seqlen: int, num_heads_q: int = 8, num_heads_kv: int = 2,
 
 
 __all__ = [
-    "budget_counts", "budget_mask", "candidate_mask", "contiguous", "cumulative_mask", "flexprefill",
+    "budget_counts", "budget_mask", "candidate_mask", "contiguous", "counts_mask", "cumulative_mask", "flexprefill",
     "forced_mask", "kap_mask", "kap_rank", "kap_scores", "lists_to_mask", "mask_metrics", "mask_to_lists",
     "mean_pooling_scores", "oracle_mass", "peer_selection", "PEERS", "structured_problem",
     "xattention_scores",

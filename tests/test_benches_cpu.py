@@ -1,12 +1,16 @@
 """Small CPU runs of bench/fidelity.py, bench/e2e.py and bench/accuracy.py through their main()
-(the reference path), plus the accuracy tasks' construction and scoring; the CPU pieces of
+(the reference path), plus the accuracy tasks' construction and scoring, its statistics (bootstrap
+and paired intervals), the dropping of tasks dense fails, and the methods' lists (stage-1 matching,
+the peers' own rules, KAP's lists in ascending order); the CPU pieces of
 bench/kernel.py (the FA4 peer's call, the anchors' columns, the skip accounting) and of
 bench/layers.py (arguments, the Q/K/V capture, one layer's rows with the timer stubbed, results)."""
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,29 +120,285 @@ def test_e2e_rejects_layers_with_a_model(tiny_model_dir):
         e2e.main(["--model", str(tiny_model_dir), "--layers", "2", "--device", "cpu", "--n", "512"])
 
 
-def test_accuracy_cpu(tmp_path, tiny_model_dir):
-    rc = accuracy.main(["--model", str(tiny_model_dir), "--lengths", "512", "--samples", "1", "--ppl-samples", "1",
-                        "--min-prefill-tokens", "256", "--max-new-tokens", "3", "--device", "cpu", "--plot",
-                        "--out", str(tmp_path)])
+def accuracy_run(tmp_path, model_dir, *extra):
+    """bench/accuracy.py's main on the tiny model, small enough for the CPU; returns the results JSON."""
+    rc = accuracy.main(["--model", str(model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3",
+                        "--device", "cpu", "--bootstrap", "200", "--out", str(tmp_path), *extra])
     assert rc == 0
-    data = only_json(tmp_path, "accuracy")
+    return only_json(tmp_path, "accuracy")
+
+
+def arms(rows) -> set:
+    return {(r["method"], r["match"]) for r in rows}
+
+
+def test_accuracy_cpu(tmp_path, tiny_model_dir):
+    data = accuracy_run(tmp_path, tiny_model_dir, "--lengths", "512", "--samples", "2", "--ppl-samples", "2",
+                        "--no-drop-failed-tasks", "--plot")
+    expected = {(m, "stage1" if m in accuracy.proxies.PEERS else None) for m in accuracy.METHODS}
+    assert arms(data["samples"]) == arms(data["scores"]) == arms(data["summary"]) == expected
     assert {(r["method"], r["task"]) for r in data["scores"]} == {(m, t) for m in accuracy.METHODS
                                                                   for t in accuracy.TASKS}
     assert all(r["tokens"] <= 512 for r in data["samples"])
-    assert {r["method"] for r in data["summary"]} == set(accuracy.METHODS)
+    assert data["dropped"] == [] and data["config"]["match"] == ["stage1"]
+    for r in data["scores"] + data["summary"]:
+        assert r["ci_low"] <= r["score"] + 1e-12 and r["score"] <= r["ci_high"] + 1e-12
+        paired = (r["diff"], r["diff_ci_low"], r["diff_ci_high"], r["diff_excludes_zero"])
+        if r["method"] == "dense":
+            assert paired == (None,) * 4
+        else:
+            assert r["diff_ci_low"] <= r["diff_ci_high"] and isinstance(r["diff_excludes_zero"], bool)
     for r in data["summary"]:
-        assert r["ppl"] > 1 and 0 < r["realised"] <= r["stage1"] <= 1
+        assert r["ppl"] > 1 and r["ppl_ci_low"] <= r["ppl"] <= r["ppl_ci_high"] and r["windows"] == 2
+        assert 0 < r["realised"] <= r["stage1"] <= 1 and 0 <= r["skipped"] < 1
+        assert (r["ppl_ratio"] is None) == (r["method"] == "dense")
     assert any(tmp_path.glob("accuracy-*.png")) or not HAS_MATPLOTLIB
 
 
 def test_accuracy_peers_at_a_fixed_budget(tmp_path, tiny_model_dir):
-    rc = accuracy.main(["--model", str(tiny_model_dir), "--lengths", "1024", "--samples", "1", "--ppl-samples", "0",
-                        "--tasks", "niah_single", "--methods", "xattention,meanpool", "--match", "0.3",
-                        "--min-prefill-tokens", "256", "--max-new-tokens", "2", "--device", "cpu",
-                        "--out", str(tmp_path)])
-    assert rc == 0
-    for r in only_json(tmp_path, "accuracy")["samples"]:
+    data = accuracy_run(tmp_path, tiny_model_dir, "--lengths", "1024", "--samples", "1", "--ppl-samples", "0",
+                        "--tasks", "niah_single", "--methods", "xattention,meanpool", "--match", "0.30")
+    for r in data["samples"]:
+        assert r["match"] == "0.3"
         assert r["stage1"] < 0.6  # 8 query blocks at budget 0.3 (each row keeps at least two)
+
+
+def test_accuracy_match_stage1_and_none_in_one_run(tmp_path, tiny_model_dir):
+    data = accuracy_run(tmp_path, tiny_model_dir, "--lengths", "512", "--samples", "1", "--ppl-samples", "1",
+                        "--tasks", "niah_single", "--methods", "dense,cosa,xattention,flexprefill",
+                        "--match", "stage1,none", "--no-drop-failed-tasks")
+    expected = {("dense", None), ("cosa", None), ("xattention", "stage1"), ("xattention", "none"),
+                ("flexprefill", "stage1"), ("flexprefill", "none")}
+    for rows in (data["samples"], data["ppl"], data["scores"], data["summary"]):
+        assert arms(rows) == expected
+    assert len(data["samples"]) == len(expected)  # one prompt, each arm once
+
+
+def test_accuracy_drops_the_tasks_dense_fails(tmp_path, tiny_model_dir, capsys):
+    """Random weights answer nothing: with the default rule dense runs alone on the tasks, both are
+    dropped, and the other methods still run the perplexity windows."""
+    argv = ["--lengths", "512", "--samples", "2", "--ppl-samples", "1", "--tasks", "niah_single,vt",
+            "--methods", "dense,cosa,xattention"]
+    data = accuracy_run(tmp_path / "dropped", tiny_model_dir, *argv)
+    assert [(d["n"], d["task"], d["score"], d["samples"]) for d in data["dropped"]] == [
+        (512, "niah_single", 0.0, 2), (512, "vt", 0.0, 2)]
+    assert {r["method"] for r in data["samples"]} == {"dense"}
+    assert all(r["dropped"] for r in data["scores"])
+    assert arms(data["ppl"]) == {("dense", None), ("cosa", None), ("xattention", "stage1")}
+    assert all(r["score"] is None and r["ppl"] > 1 for r in data["summary"])
+    assert "dropped at n=512: niah_single" in capsys.readouterr().out
+    kept = accuracy_run(tmp_path / "kept", tiny_model_dir, *argv, "--min-dense-score", "0")
+    assert kept["dropped"] == [] and {r["method"] for r in kept["samples"]} == {"dense", "cosa", "xattention"}
+
+
+def test_dropped_tasks_rule():
+    def row(method, n, task, score):
+        return {"method": method, "match": None, "n": n, "task": task, "sample": 0, "score": score}
+
+    samples = ([row("dense", 8192, "niah_single", s) for s in (1.0, 1.0, 0.4, 0.8)]  # 0.8: kept
+               + [row("dense", 8192, "vt", s) for s in (0.0, 0.6, 0.6, 0.4)]  # 0.4: dropped
+               + [row("dense", 8192, "cwe", s) for s in (0.5, 0.5)]  # exactly the threshold: kept
+               + [row("cosa", 8192, "cwe", 0.0), row("dense", 16384, "niah_single", 0.0)])  # other method, length
+    dropped = accuracy.dropped_tasks(samples, 8192, 0.5, 500, 0)
+    assert [(d["task"], d["samples"]) for d in dropped] == [("vt", 4)]
+    assert dropped[0]["score"] == pytest.approx(0.4) and 0.0 <= dropped[0]["ci_low"] < 0.4 < dropped[0]["ci_high"]
+
+
+def test_bootstrap_interval_on_known_distributions():
+    low, high = common.bootstrap_interval([0.7] * 20)
+    assert low == high == pytest.approx(0.7)
+    assert common.bootstrap_interval([0.25]) == (0.25, 0.25)
+    # 60 ones in 200: mean 0.3, standard error sqrt(0.3 * 0.7 / 200) = 0.032, so a 95% interval ~0.127 wide.
+    outcomes = [1.0] * 60 + [0.0] * 140
+    low, high = common.bootstrap_interval(outcomes, resamples=4000, seed=3)
+    assert low < 0.3 < high and 0.10 < high - low < 0.16
+    assert common.bootstrap_interval(outcomes, 4000, 3) == (low, high)  # seeded: the same bounds again
+    narrow = common.bootstrap_interval(outcomes, 4000, 3, level=0.5)
+    assert low < narrow[0] < narrow[1] < high
+    with pytest.raises(ValueError):
+        common.bootstrap_interval([])
+
+
+def test_paired_difference():
+    baseline = [1.0, 0.0, 0.5, 1.0, 0.0, 0.25, 0.75, 1.0]
+    assert common.paired_difference(baseline, baseline) == (0.0, 0.0, 0.0)
+    # A constant shift on inputs of very different difficulty: pairing leaves no spread, while the
+    # unpaired interval of either side is wide.
+    diff, low, high = common.paired_difference([b + 0.125 for b in baseline], baseline)
+    assert diff == low == high == pytest.approx(0.125)
+    spread = common.bootstrap_interval(baseline)
+    assert spread[1] - spread[0] > 0.3
+    with pytest.raises(ValueError):
+        common.paired_difference([1.0, 0.0], [1.0])
+
+
+def test_accuracy_aggregate_pairs_with_dense_and_leaves_dropped_tasks_out():
+    rng = torch.Generator().manual_seed(0)
+    dense = (torch.rand(40, generator=rng) < 0.5).float().tolist()
+    better = [1.0] * 40
+
+    def rows(method, match, task, scores):
+        return [{"method": method, "match": match, "n": 1024, "task": task, "sample": s, "score": v,
+                 "stage1": 1.0 if method == "dense" else 0.4, "realised": 1.0 if method == "dense" else 0.3}
+                for s, v in enumerate(scores)]
+
+    samples = (rows("dense", None, "niah_single", dense) + rows("kap", None, "niah_single", dense)
+               + rows("cosa", None, "niah_single", better) + rows("xattention", "stage1", "niah_single", dense[::-1])
+               + rows("dense", None, "vt", [0.0] * 40))
+    nll = [2.0, 2.5, 1.5, 3.0]
+    ppl_rows = [{"method": m, "match": None, "n": 1024, "sample": s, "nll": 1000 * (v + shift), "tokens": 1000,
+                 "stage1": 1.0, "realised": 1.0} for m, shift in (("dense", 0.0), ("cosa", 0.01))
+                for s, v in enumerate(nll)]
+    dropped = [{"n": 1024, "task": "vt"}]
+    scores, summary = accuracy.aggregate(samples, ppl_rows, dropped, 1000, 0)
+    score = {(r["method"], r["task"]): r for r in scores}
+    assert score["dense", "vt"]["dropped"] and not score["dense", "niah_single"]["dropped"]
+    identical = score["kap", "niah_single"]
+    assert (identical["diff"], identical["diff_ci_low"], identical["diff_ci_high"]) == (0.0, 0.0, 0.0)
+    assert identical["diff_excludes_zero"] is False
+    assert identical["ci_low"] < identical["score"] < identical["ci_high"]
+    gain = score["cosa", "niah_single"]
+    assert gain["diff"] == pytest.approx(1 - sum(dense) / 40) and gain["diff_ci_low"] > 0 and gain["diff_excludes_zero"]
+    shuffled = score["xattention", "niah_single"]  # the same scores on other prompts: no mean difference
+    assert shuffled["diff"] == pytest.approx(0.0) and shuffled["diff_ci_low"] < 0 < shuffled["diff_ci_high"]
+    total = {(r["method"], r["match"]): r for r in summary}
+    assert [r["method"] for r in summary] == ["dense", "cosa", "kap", "xattention"]
+    assert total["dense", None]["score"] == pytest.approx(sum(dense) / 40)  # vt left out
+    assert total["dense", None]["tasks"] == 1 and total["dense", None]["samples"] == 40
+    assert total["cosa", None]["skipped"] == pytest.approx(1 - (40 * 0.3 + 4) / (40 * 0.4 + 4))
+    assert total["dense", None]["ppl"] == pytest.approx(math.exp(sum(nll) / 4))
+    ratio = total["cosa", None]
+    assert ratio["ppl_ratio"] == pytest.approx(math.exp(0.01))  # the same shift on every window
+    assert ratio["ppl_ratio_ci_low"] == pytest.approx(math.exp(0.01)) and ratio["ppl_ratio_excludes_one"]
+    assert ratio["ppl_ci_low"] < math.exp(0.01) * total["dense", None]["ppl"] < ratio["ppl_ci_high"]
+    table = common.format_table(accuracy.table_rows(scores), accuracy.SCORE_COLUMNS)
+    assert f"{gain['score']:.3f} [{gain['ci_low']:.3f}, {gain['ci_high']:.3f}]" in table
+    assert f"{gain['diff']:.3f} [{gain['diff_ci_low']:.3f}, {gain['diff_ci_high']:.3f}]*" in table
+    assert "0.000 [0.000, 0.000]*" not in table
+
+
+def test_accuracy_arguments(tiny_model_dir):
+    base = ["--model", str(tiny_model_dir)]
+    args = accuracy.parse_args(base)
+    assert (args.samples, args.lengths, args.ppl_samples) == (50, [8192, 16384, 32768], 8)
+    assert (args.drop_failed_tasks, args.min_dense_score, args.bootstrap, args.match) == (True, 0.5, 2000, ["stage1"])
+    assert accuracy.parse_args(base + ["--methods", "dense,xattention"]).match == ["none"]
+    assert accuracy.parse_args(base + ["--match", "stage1, none,0.20,none"]).match == ["stage1", "none", "0.2"]
+    assert not accuracy.parse_args(base + ["--no-drop-failed-tasks"]).drop_failed_tasks
+    assert accuracy.arms_of(accuracy.parse_args(base + ["--methods", "xattention,cosa,dense",
+                                                        "--match", "stage1,none"])) == [
+        ("dense", None), ("cosa", None), ("xattention", "stage1"), ("xattention", "none")]
+    for bad in (["--match", "cosa"], ["--match", "1.5"], ["--match", ","], ["--match", "stage1", "--methods", "dense"],
+                ["--match", "realised", "--methods", "xattention"], ["--methods", "kap-descending"]):
+        with pytest.raises(SystemExit):
+            accuracy.parse_args(base + bad)
+
+
+def layer_qkv(n=1024, seed=0):
+    """q, k of one structured layer (sinks, a band, needles, stripes, slashes) in bf16."""
+    return accuracy.proxies.contiguous(accuracy.proxies.structured_problem(n, 4, 2, 64, seed=seed))[:2]
+
+
+def test_kap_ascending_runs_kaps_lists_in_ascending_order(tiny_model_dir):
+    runner = accuracy.Runner(None, accuracy.parse_args(["--model", str(tiny_model_dir), "--top-p", "0.9"]))
+    layer = SimpleNamespace(layer_idx=3, scaling=None)
+    q, k = layer_qkv()
+    kap_order, kap_counts = runner.selector("kap", None)(layer, q, k)
+    cosa_order, cosa_counts = runner.selector("cosa", None)(layer, q, k)
+    order, counts = runner.selector("kap-ascending", None)(layer, q, k)
+    assert torch.equal(cosa_order, kap_order) and torch.equal(cosa_counts, kap_counts)  # cosa: the same lists
+    assert torch.equal(counts, kap_counts) and runner.lists == {(3, 1024, 1024): counts}
+    assert (kap_counts < torch.arange(1, 9)).any()  # KAP dropped blocks somewhere
+    for h in range(order.shape[0]):
+        for i in range(order.shape[1]):
+            c = int(counts[h, i])
+            assert order[h, i, :c].tolist() == sorted(kap_order[h, i, :c].tolist())
+            assert (order[h, i, c:] == -1).all()
+    assert not torch.equal(order, kap_order)  # KAP's own order is not ascending: the two runs differ
+
+
+def test_peers_without_a_match_use_their_own_adaptive_rules(tiny_model_dir):
+    args = accuracy.parse_args(["--model", str(tiny_model_dir), "--methods", "xattention,flexprefill,meanpool"])
+    runner = accuracy.Runner(None, args)
+    layer = SimpleNamespace(layer_idx=0, scaling=None)
+    q, k = layer_qkv(seed=1)
+    for peer in accuracy.proxies.PEERS:
+        order, counts = runner.selector(peer, "none")(layer, q, k)
+        own = accuracy.proxies.peer_selection(peer, q, k, stride=args.stride, xattn_threshold=args.xattn_threshold,
+                                              flex_gamma=args.flex_gamma, flex_tau=args.flex_tau,
+                                              meanpool_top_p=args.meanpool_top_p)[1]
+        expected = accuracy.proxies.mask_to_lists(own)
+        assert torch.equal(order, expected[0]) and torch.equal(counts, expected[1]), peer
+        # Adaptive: the rows of one query block differ between heads (a uniform count would not).
+        assert (counts != counts[:1]).any(), peer
+
+
+def test_stage1_matching_gives_each_peer_cosas_list_lengths(tiny_model_dir, monkeypatch):
+    """The tiny model's attention is too diffuse for KAP to drop much, so its lists are cut here to
+    seeded random lengths: the peers must then keep exactly those lengths, row by row."""
+    args = accuracy.parse_args(["--model", str(tiny_model_dir), "--device", "cpu", "--min-prefill-tokens", "256",
+                                "--match", "stage1,realised"])
+    model, tokenizer, _ = accuracy.load_model(str(tiny_model_dir), "cpu", torch.bfloat16)
+    runner = accuracy.Runner(model, args)
+    ids = accuracy.haystack_token_ids(tokenizer, None, 1024)
+    kap_lists = accuracy.kap_lists
+    cuts = torch.Generator().manual_seed(0)
+
+    def cut_kap_lists(q, k, a, scale):
+        order, counts = kap_lists(q, k, a, scale)
+        counts = (1 + (counts - 1) * torch.rand(counts.shape, generator=cuts)).int()
+        listed = torch.arange(order.shape[-1])[None, None, :] < counts[..., None]
+        return torch.where(listed, order, -1), counts
+
+    monkeypatch.setattr(accuracy, "kap_lists", cut_kap_lists)
+
+    def forward():
+        return accuracy.tail_nll(model, ids)
+
+    runner.new_prompt()
+    runner.run("cosa", None, forward)
+    cosa_counts = runner.cosa_lists
+    assert set(cosa_counts) == {(0, 1024, 1024), (1, 1024, 1024)}
+    # Lengths that differ between the heads of one query block: no count per query block could give them.
+    assert all((c != c[:1]).any() for c in cosa_counts.values())
+    for peer in accuracy.proxies.PEERS:
+        runner.run(peer, "stage1", forward)
+        assert runner.lists.keys() == cosa_counts.keys(), peer
+        for call, counts in cosa_counts.items():
+            assert torch.equal(runner.lists[call], counts), (peer, call)
+        runner.run(peer, "realised", forward)
+        for (layer, _, _), counts in runner.lists.items():
+            uniform = accuracy.proxies.budget_counts(8, 8, 0, runner.cosa_realised[layer])
+            assert torch.equal(counts, uniform.expand_as(counts).int()), (peer, layer)
+    runner.new_prompt()  # a new prompt without CoSA's run: nothing to match, and no silent fallback
+    with pytest.raises(RuntimeError, match="cosa must run before the matched peers"):
+        runner.run("xattention", "stage1", forward)
+
+
+def test_accuracy_skip_only_where_the_method_has_it(tiny_model_dir, monkeypatch):
+    """cosa and kap-ascending run OSK with the skip at --delta and --vote; kap and the peers without it."""
+    import cosa.integrations.transformers as cosa_hf
+
+    settings = {}
+    enable = cosa_hf.enable
+
+    def recording_enable(model, **kwargs):
+        settings[method] = (kwargs["delta"], kwargs["vote"])
+        return enable(model, **kwargs)
+
+    monkeypatch.setattr(cosa_hf, "enable", recording_enable)
+    args = accuracy.parse_args(["--model", str(tiny_model_dir), "--device", "cpu", "--min-prefill-tokens", "256",
+                                "--delta", "300", "--vote", "tile", "--match", "none"])
+    model, tokenizer, _ = accuracy.load_model(str(tiny_model_dir), "cpu", torch.bfloat16)
+    runner = accuracy.Runner(model, args)
+    ids = accuracy.haystack_token_ids(tokenizer, None, 512)
+    runner.new_prompt()
+    for method, match in accuracy.arms_of(args):
+        _, budgets = runner.run(method, match, lambda: accuracy.tail_nll(model, ids))
+        assert 0 < budgets["realised"] <= budgets["stage1"] <= 1
+    skip = (300.0, "tile")
+    assert settings == {"cosa": skip, "kap": (0.0, "tile"), "kap-ascending": skip,
+                        **{peer: (0.0, "tile") for peer in accuracy.proxies.PEERS}}
 
 
 @pytest.mark.parametrize("task", accuracy.TASKS)
