@@ -301,8 +301,10 @@ struct OskMainloop {
     MBarrier::wait(&storage.q_full, 0);
 
     // Intra-warpgroup overlap (as FlashAttention-3): the P V product of the last computed block
-    // is issued right after S = Q K^T of the next one and runs while that block's mask, vote and
-    // exponentials execute. `pv_pending` says P (in tOrP) and its V stage still await that product.
+    // is issued right after S = Q K^T of the next one and runs while that block's mask, max and
+    // vote execute (ptxas places the wait for it before the exponentials; forcing it after them
+    // measured no faster, docs/perf-notes.md). `pv_pending` says P (in tOrP) and its V stage still
+    // await that product.
     //
     // One step per list entry, compiled twice: with a P V product to issue (kPvPending) and
     // without. Within each version every wgmma issued is waited for on every path, so ptxas can
