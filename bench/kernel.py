@@ -12,7 +12,7 @@ Rows (bench/README.md says what each one means and how the derived numbers are d
                                                      (delta 1e-30): the skip machinery's cost
   osk    skipcost-full / -first / -skip-<v>          the cost of an in-kernel skipped block
   osk    causal+skip-<v>                             every causal block, ascending, delta 2000, structured input
-  kap    stride-<s>[-unchecked|-graph]               the whole proxy (scores, sort, top-p, lists)
+  kap    stride-<s>[-fp8][-unchecked|-graph]         the whole proxy (scores, sort, top-p, lists); -fp8: e4m3 proxy
   cosa   prefill-<v>[-unchecked]                     KAP + OSK with skip, structured input
 (<v>: the vote scope of the skip, tile or warpgroup; -unchecked: with cosa.set_device_checks(False),
 i.e. without the ops' checks of index-tensor contents and their one host synchronisation per call;
@@ -705,31 +705,34 @@ class Bench:
                      note="stride 8, top_p 0.95, structured input" + ("" if checks else ", device checks off"))
 
     def kap_rows(self, ctx):
-        """KAP alone per stride (top_p 0.95) on the random input; at N <= 16K its lists are
-        compared with cosa.reference.kap (fraction of (head, query block) rows that match)."""
+        """KAP alone per stride (top_p 0.95) and proxy precision (``stride-<s>``: native,
+        ``stride-<s>-fp8``: the e4m3 proxy) on the random input; at N <= 16K its lists are compared
+        with cosa.reference.kap at the same precision (fraction of (head, query block) rows that match)."""
         n, sets = ctx["n"], ctx["sets"]
         first = sets.first
         for stride in self.args.strides:
-            run = lambda s: torch.ops.cosa.kap(s.q, s.k_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
-                                               s.seqused_k, n, n, stride, 0.95, None)
-            order, counts = run(first)
-            match = None
-            if n <= 16384:
-                ref_order, ref_counts = self.cosa.reference.kap(
-                    first.q, first.k_cache, first.page_table, first.cu_seqlens_q, first.seqused_k,
-                    n, n, stride, 0.95, None)
-                same = (ref_counts == counts) & (ref_order == order).all(-1)
-                match = float(same.float().mean())
-            note = f"lists match reference {match:.3f}" if match is not None else "top_p 0.95"
-            budget = int(counts.sum()) / causal_blocks(ctx["nq"], CONFIG["hq"])
-            for suffix, checks in (("", True), ("-unchecked", False)):
-                with self.cosa.set_device_checks(checks):
-                    ms = time_ms(lambda: run(sets.take()))
-                self.add("kap", f"stride-{stride}{suffix}", n, ms, budget=budget, list_match=match,
-                         note=note + ("" if checks else ", device checks off"))
-            replay = graph_of(lambda: run(first))
-            self.add("kap", f"stride-{stride}-graph", n, time_ms(replay), budget=budget, list_match=match,
-                     note=note + ", CUDA graph replay (no host work, no checks), one input set")
+            for precision in ("native", "fp8"):
+                run = lambda s: torch.ops.cosa.kap(s.q, s.k_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
+                                                   s.seqused_k, n, n, stride, 0.95, None, precision)
+                order, counts = run(first)
+                match = None
+                if n <= 16384:
+                    ref_order, ref_counts = self.cosa.reference.kap(
+                        first.q, first.k_cache, first.page_table, first.cu_seqlens_q, first.seqused_k,
+                        n, n, stride, 0.95, None, precision)
+                    same = (ref_counts == counts) & (ref_order == order).all(-1)
+                    match = float(same.float().mean())
+                note = f"lists match reference {match:.3f}" if match is not None else "top_p 0.95"
+                budget = int(counts.sum()) / causal_blocks(ctx["nq"], CONFIG["hq"])
+                name = f"stride-{stride}" + ("" if precision == "native" else f"-{precision}")
+                for suffix, checks in (("", True), ("-unchecked", False)):
+                    with self.cosa.set_device_checks(checks):
+                        ms = time_ms(lambda: run(sets.take()))
+                    self.add("kap", f"{name}{suffix}", n, ms, budget=budget, list_match=match,
+                             note=note + ("" if checks else ", device checks off"))
+                replay = graph_of(lambda: run(first))
+                self.add("kap", f"{name}-graph", n, time_ms(replay), budget=budget, list_match=match,
+                         note=note + ", CUDA graph replay (no host work, no checks), one input set")
 
     # -- derived columns, table, plot ---------------------------------------------------------
 

@@ -13,8 +13,11 @@ freed. Then, per layer:
   cosa            cosa.prefill at its defaults: KAP, then OSK with the in-kernel skip
   cosa-noskip     the same with the skip off (delta 0)
   cosa-tile       the defaults, the skip voted by all 128 rows of a tile
-  cosa-warpgroup  the defaults, the skip voted by each 64-row half of a tile
+  cosa-fp8        the defaults with KAP's fp8 (e4m3) proxy
   kap             KAP alone (stage 1: the ordered block lists)
+  kap-fp8         KAP alone with the fp8 proxy; its row also compares its lists with kap's: the IoU of
+                  the kept sets (iou_vs_native) and the share of each query block's exact attention
+                  mass that the kept blocks hold (mass_native, mass_fp8)
 
 Each row has the median time, the stage-1 and realised budgets (cosa.prefill's statistics; 1 for the
 dense rows; the stage-1 budget of its lists for kap) and the error against a float32 dense reference
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,12 +52,12 @@ from kernel import (BLOCK, InputSet, attach_paged, causal_blocks, causal_lists, 
 
 # cosa.prefill's keyword arguments of each CoSA row, over the wrapper's defaults.
 COSA_VARIANTS = {"cosa": {}, "cosa-noskip": {"delta": 0.0}, "cosa-tile": {"vote": "tile"},
-                 "cosa-warpgroup": {"vote": "warpgroup"}}
+                 "cosa-fp8": {"proxy_precision": "fp8"}}
 CHECKED_BLOCKS = 8
 TABLE_COLUMNS = ("layer", "n", "impl", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
-                 "max_row_err")
+                 "max_row_err", "iou_vs_native", "mass_native", "mass_fp8")
 SUMMARY_COLUMNS = ("impl", "layers", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
-                   "max_row_err")
+                   "max_row_err", "iou_vs_native", "mass_native", "mass_fp8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +113,39 @@ def capture_layers(model_path: str, haystack: str, n: int, layers: list[int] | N
 def checked_blocks(nq: int, count: int = CHECKED_BLOCKS) -> list[int]:
     """``count`` query blocks spread evenly from the first to the last."""
     return sorted({round(i * (nq - 1) / max(1, count - 1)) for i in range(count)})
+
+
+def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """Exact causal attention mass per (query head, query block, key block), float32
+    ``[Hq, nq, nk]``: for each query row the softmax over its keys summed per 128-key block, averaged
+    over the rows of its query block (one sequence, no prefix; q ``[N, Hq, d]``, k ``[N, Hkv, d]``)."""
+    n, hq, _ = q.shape
+    group = hq // k.shape[1]
+    nq = -(-n // BLOCK)
+    pad = nq * BLOCK - n
+    mass = torch.zeros(hq, nq, nq, device=q.device)
+    keys = torch.arange(n, device=q.device)
+    for h in range(hq):
+        kh = k[:, h // group].float()
+        for start in range(0, n, rows_per_chunk):
+            rows = torch.arange(start, min(n, start + rows_per_chunk), device=q.device)
+            logits = (q[rows, h].float() @ kh.T) * scale
+            logits.masked_fill_(keys[None, :] > rows[:, None], -math.inf)
+            p = torch.nn.functional.pad(torch.softmax(logits, -1), (0, pad))
+            per_block = p.reshape(len(rows), nq, BLOCK).sum(-1)  # [rows, nk]
+            mass[h].index_add_(0, rows // BLOCK, per_block)
+    sizes = torch.full((nq,), float(BLOCK), device=q.device)
+    sizes[-1] = n - (nq - 1) * BLOCK
+    return mass / sizes[None, :, None]
+
+
+def kept_mask(order: torch.Tensor, counts: torch.Tensor, nk: int) -> torch.Tensor:
+    """bool ``[Hq, nq, nk]``: the blocks of each list (the first ``counts`` entries of its row)."""
+    hq, nq = counts.shape
+    listed = torch.arange(order.shape[-1], device=order.device)[None, None, :] < counts[..., None]
+    mask = torch.zeros(hq, nq, nk + 1, dtype=torch.bool, device=order.device)
+    mask.scatter_(-1, torch.where(listed, order.long(), nk)[:, :nq], True)
+    return mask[..., :nk]
 
 
 def errors(out_rows: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -170,7 +207,7 @@ class LayerRun:
             self.guarded(f"layer {layer} fa4", self.fa4_row, layer, s, check, scale)
         for impl, options in COSA_VARIANTS.items():
             self.guarded(f"layer {layer} {impl}", self.cosa_row, layer, impl, options, s, check, scale)
-        self.guarded(f"layer {layer} kap", self.kap_row, layer, s, check, scale)
+        self.guarded(f"layer {layer} kap", self.kap_rows, layer, s, check, scale)
 
     def cudnn_row(self, layer, s: InputSet, check: Check, scale):
         run = lambda: sdpa(SDPBackend.CUDNN_ATTENTION, s.bhsd_view(s.q), s.bhsd_view(s.k_rep),  # noqa: E731
@@ -200,13 +237,30 @@ class LayerRun:
         out, stats = run(return_stats=True)
         self.add(layer, impl, time_ms(run), check, out, stats["stage1_budget"], stats["realised_budget"])
 
-    def kap_row(self, layer, s: InputSet, check: Check, scale):
+    def kap_rows(self, layer, s: InputSet, check: Check, scale):
+        """KAP alone at each proxy precision (rows ``kap``, ``kap-fp8``). The fp8 row also holds how
+        its lists compare with the native ones: ``iou_vs_native``, the intersection over union of the
+        kept sets summed over (head, query block), and ``mass_native``/``mass_fp8``, the share of each
+        query block's exact attention mass that its kept blocks hold, averaged over (head, query block)."""
         n = check.n
-        run = lambda: self.cosa.kap(s.q, s.k_cache, s.page_table, s.cu_seqlens_q, s.seqused_k, n, n,  # noqa: E731
-                                    softmax_scale=scale)
-        _, counts = run()
-        stage1 = int(counts.sum()) / causal_blocks(counts.shape[1], counts.shape[0])
-        self.add(layer, "kap", time_ms(run), check, stage1=stage1, realised=None)
+        lists = {}
+        for precision in ("native", "fp8"):
+            run = lambda: self.cosa.kap(s.q, s.k_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
+                                        s.seqused_k, n, n, softmax_scale=scale, proxy_precision=precision)
+            order, counts = run()
+            stage1 = int(counts.sum()) / causal_blocks(counts.shape[1], counts.shape[0])
+            self.add(layer, "kap" if precision == "native" else f"kap-{precision}", time_ms(run), check,
+                     stage1=stage1, realised=None)
+            lists[precision] = (order, counts)
+        mass = block_attention_mass(s.q, s.k, scale if scale is not None else s.q.shape[-1] ** -0.5)
+        kept = {precision: kept_mask(*lists[precision], mass.shape[-1]) for precision in lists}
+        union = int((kept["native"] | kept["fp8"]).sum())
+        comparison = {"iou_vs_native": int((kept["native"] & kept["fp8"]).sum()) / max(union, 1),
+                      "mass_native": float((mass * kept["native"]).sum(-1).mean()),
+                      "mass_fp8": float((mass * kept["fp8"]).sum(-1).mean())}
+        self.rows[-1].update(comparison)
+        progress(f"  layer {layer} kap-fp8 against kap: IoU {comparison['iou_vs_native']:.4f}, attention mass "
+                 f"kept {100 * comparison['mass_native']:.2f}% (native) / {100 * comparison['mass_fp8']:.2f}% (fp8)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +301,8 @@ def results(meta: dict, config: dict, run: LayerRun) -> dict:
 def prefill_defaults(cosa_mod) -> dict:
     """The tuning defaults of cosa.prefill, which the ``cosa`` row runs with (read from its signature)."""
     params = inspect.signature(cosa_mod.prefill).parameters
-    return {name: params[name].default for name in ("stride", "top_p", "delta", "vote") if name in params}
+    return {name: params[name].default for name in ("stride", "top_p", "delta", "vote", "proxy_precision")
+            if name in params}
 
 
 def plot(rows: list[dict], path: Path, title: str) -> bool:
@@ -270,7 +325,7 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
         mine = [by_layer[layer] for layer in layers if layer in by_layer]
         color = f"C{i % 10}"
         ax_ms.bar(xs, [r["ms"] for r in mine], width, label=impl, color=color)
-        if impl != "kap":
+        if not impl.startswith("kap"):
             ax_x.bar(xs, [r[f"x_{anchor}"] or 0.0 for r in mine], width, label=impl, color=color)
     for ax in (ax_ms, ax_x):
         ax.set_ylim(top=ax.get_ylim()[1] * 1.25)  # room for the legend above the bars

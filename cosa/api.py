@@ -81,13 +81,16 @@ def _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning):
 
 
 def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q=None, max_seqlen_k=None, *,
-        stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE):
-    """KAP (spec section 2): ordered block lists ``(order, counts)``."""
+        stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
+        proxy_precision=defaults.PROXY_PRECISION):
+    """KAP (spec section 2): ordered block lists ``(order, counts)``. ``proxy_precision="fp8"``
+    scores e4m3 copies of q and k (one scale per 128-token block and head)."""
     op = "kap"
     tensors = _tensors(op, q=q, k_cache=k_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k)
     tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
-                  softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True))
+                  softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
+                  proxy_precision=validation.string(op, "proxy_precision", proxy_precision))
     max_seqlen_q, max_seqlen_k = _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning)
     return _ops().kap(**tensors, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **tuning)
 
@@ -110,7 +113,8 @@ def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
 
 def prefill(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q=None, max_seqlen_k=None, *,
             stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-            delta=defaults.DELTA, vote=defaults.VOTE, return_stats=False):
+            delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION,
+            return_stats=False):
     """CoSA sparse prefill over a paged KV cache: KAP then OSK, with no host synchronisation between them.
 
     Returns ``out [total_q, Hq, d]``, or ``(out, stats)`` with ``return_stats=True``: a dict holding
@@ -120,7 +124,8 @@ def prefill(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen
                        seqused_k=seqused_k)
     tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
                   softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
-                  delta=validation.real(op, "delta", delta), vote=validation.string(op, "vote", vote))
+                  delta=validation.real(op, "delta", delta), vote=validation.string(op, "vote", vote),
+                  proxy_precision=validation.string(op, "proxy_precision", proxy_precision))
     max_seqlen_q, max_seqlen_k = _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning)
     out, lse, order, counts, skipped = _ops().prefill(**tensors, max_seqlen_q=max_seqlen_q,
                                                       max_seqlen_k=max_seqlen_k, **tuning)
@@ -141,7 +146,8 @@ def _as_paged(x, page_size):
 
 
 def sparse_attention(q, k, v, *, stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-                     delta=defaults.DELTA, vote=defaults.VOTE, return_stats=False):
+                     delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION,
+                     return_stats=False):
     """CoSA causal attention on contiguous ``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]`` (``Sk >= Sq``,
     ``Sk - Sq`` a multiple of 128: the queries are the last ``Sq`` positions). A thin wrapper that
     views the inputs as one page per 128 tokens and calls :func:`prefill` with the device checks off
@@ -174,7 +180,8 @@ def sparse_attention(q, k, v, *, stride=defaults.STRIDE, top_p=defaults.TOP_P, s
     with set_device_checks(False):
         result = prefill(q.reshape(batch * seqlen_q, *q.shape[2:]), _as_paged(k, BLOCK), _as_paged(v, BLOCK),
                          page_table, cu_seqlens_q, seqused_k, seqlen_q, seqlen_k, stride=stride, top_p=top_p,
-                         softmax_scale=softmax_scale, delta=delta, vote=vote, return_stats=return_stats)
+                         softmax_scale=softmax_scale, delta=delta, vote=vote, proxy_precision=proxy_precision,
+                         return_stats=return_stats)
     if return_stats:
         out, stats = result
         return out.reshape(q.shape), stats

@@ -44,6 +44,9 @@ def parse_args(argv=None):
                    help=f"KAP's downsampling stride, a divisor of {BLOCK} (default {defaults.STRIDE})")
     p.add_argument("--vote", choices=reference.VOTE_SCOPES, default=defaults.VOTE,
                    help=f"who decides a skip together: each 64-row half of a tile or the tile (default {defaults.VOTE})")
+    p.add_argument("--proxy-precision", choices=reference.PROXY_PRECISIONS, default=defaults.PROXY_PRECISION,
+                   help="what KAP's proxy GEMM multiplies: q and k as given, or e4m3 copies "
+                        f"(default {defaults.PROXY_PRECISION})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input")
     args = p.parse_args(argv)
     if args.n is not None and (args.n < BLOCK or args.n % BLOCK):
@@ -109,11 +112,13 @@ def run_kernels(problem, n, hq, hkv, args):
     def cosa_call():
         return cosa.prefill(problem["q"], problem["k_cache"], problem["v_cache"], problem["page_table"],
                             problem["cu_seqlens_q"], problem["seqused_k"], n, n, stride=args.stride,
-                            top_p=args.top_p, delta=args.delta, vote=args.vote)
+                            top_p=args.top_p, delta=args.delta, vote=args.vote,
+                            proxy_precision=args.proxy_precision)
 
     out, stats = cosa.prefill(problem["q"], problem["k_cache"], problem["v_cache"], problem["page_table"],
                               problem["cu_seqlens_q"], problem["seqused_k"], n, n, stride=args.stride,
-                              top_p=args.top_p, delta=args.delta, vote=args.vote, return_stats=True)
+                              top_p=args.top_p, delta=args.delta, vote=args.vote,
+                              proxy_precision=args.proxy_precision, return_stats=True)
     cosa_ms = cuda_median_ms(cosa_call)
 
     # SDPA's [1, H, N, d] views of the token-major tensors; cuDNN gets repeated KV heads (no GQA path).
@@ -143,7 +148,7 @@ def run_reference(problem, n, args):
     p = problem
     start = time.perf_counter()
     order, counts = reference.kap(p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"],
-                                  n, n, args.stride, args.top_p, None)
+                                  n, n, args.stride, args.top_p, None, args.proxy_precision)
     out, lse, skipped = reference.osk(p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"],
                                       p["seqused_k"], order, counts, n, None, args.delta, args.vote)
     cosa_ms = 1e3 * (time.perf_counter() - start)
@@ -189,7 +194,8 @@ def main(argv=None) -> int:
               "says nothing of the kernels' speed)")
     print(f"budget:  stage 1 {100 * stats['stage1_budget']:.1f}% of the causal blocks, realised "
           f"{100 * stats['realised_budget']:.1f}% after in-kernel skipping "
-          f"(stride {args.stride}, top_p {args.top_p:g}, delta {args.delta:g}, vote {args.vote})")
+          f"(stride {args.stride}, top_p {args.top_p:g}, delta {args.delta:g}, vote {args.vote}, "
+          f"proxy {args.proxy_precision})")
     err = float((out.float() - dense_out.float()).norm() / dense_out.float().norm())
     print(f"error:   ||CoSA - dense|| / ||dense|| = {err:.2e} (dense: {dense_name})")
 

@@ -50,7 +50,8 @@ def _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k):
 
 
 def _kap_fake(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, stride=defaults.STRIDE,
-              top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE):
+              top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
+              proxy_precision=defaults.PROXY_PRECISION):
     return _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k)
 
 
@@ -62,7 +63,7 @@ def _osk_fake(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, c
 
 def _prefill_fake(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
                   stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-                  delta=defaults.DELTA, vote=defaults.VOTE):
+                  delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION):
     order, counts = _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k)
     return (torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), order, counts,
             torch.empty_like(counts))
@@ -77,9 +78,9 @@ def _osk_cpu(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, co
 
 def _prefill_cpu(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
                  stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-                 delta=defaults.DELTA, vote=defaults.VOTE):
+                 delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION):
     order, counts = reference.kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                                  stride, top_p, softmax_scale)
+                                  stride, top_p, softmax_scale, proxy_precision)
     out, lse, skipped = reference.osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
                                       max_seqlen_q, softmax_scale, delta, vote)
     return out, lse, order, counts, skipped

@@ -20,6 +20,7 @@ from . import defaults
 BLOCK = 128  # logical query/key block size (fixed by the method)
 HALF = BLOCK // 2  # rows of one consumer warpgroup of OSK: the unit of the per-warpgroup vote
 VOTE_SCOPES = ("warpgroup", "tile")  # spec section 3
+PROXY_PRECISIONS = ("native", "fp8")  # spec section 2
 
 # Tiles processed together by the OSK reference; bounds its memory to a few hundred MB.
 _OSK_TILES_PER_CHUNK = 256
@@ -151,11 +152,37 @@ def _kap_select(scores, hrm, prefix, top_p):
     return order, counts
 
 
+E4M3_MAX = 448.0  # the largest finite float8 e4m3 value
+
+
+def e4m3_block_values(x: torch.Tensor) -> torch.Tensor:
+    """The values that KAP's fp8 proxy multiplies in place of ``x`` ``[L, H, d]`` (spec section 2,
+    proxy precision), float32: per block of 128 rows (from row 0) and head, ``amax = max |x|`` (NaN
+    if any value is NaN), ``scale = amax / 448`` (1 where amax is 0), and
+    ``e4m3(x * (448 / amax)) * scale``, rounded to nearest even and saturating. Every step is one
+    IEEE float32 operation, as in the quantisation kernel."""
+    length, heads, dim = x.shape
+    rows = cdiv(length, BLOCK) * BLOCK
+    blocks = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, rows - length)).reshape(-1, BLOCK, heads, dim)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)  # propagates NaN; the zero padding never wins
+    one = torch.ones_like(amax)
+    scale = torch.where(amax == 0, one, amax / E4M3_MAX)
+    inverse = torch.where(amax == 0, one, E4M3_MAX / amax)
+    values = (blocks * inverse).to(torch.float8_e4m3fn).float() * scale
+    return values.reshape(rows, heads, dim)[:length]
+
+
+def _proxy_operand(x: torch.Tensor, proxy_precision: str, dt: torch.dtype) -> torch.Tensor:
+    return (e4m3_block_values(x) if proxy_precision == "fp8" else x).to(dt)
+
+
 def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-               stride=defaults.STRIDE, softmax_scale=defaults.SOFTMAX_SCALE):
+               stride=defaults.STRIDE, softmax_scale=defaults.SOFTMAX_SCALE,
+               proxy_precision=defaults.PROXY_PRECISION):
     """Block scores S and HRM flags H of every (query head, query block): float32 / bool
     ``[Hq, num_q_blocks, ceil(max_seqlen_k / 128)]``; -inf / False outside the causal candidates
-    and on padding rows."""
+    and on padding rows. ``proxy_precision="fp8"``: the proxy multiplies e4m3_block_values of each
+    sequence's queries and keys."""
     total_q, hq, d = q.shape
     batch = seqused_k.shape[0]
     nqb = num_q_blocks_bound(total_q, batch, max_seqlen_q)
@@ -168,14 +195,16 @@ def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, ma
         if lq == 0:
             continue
         s_b, h_b = _kap_sequence_scores(
-            q[q0:q0 + lq].to(dt), gather_kv(k_cache, page_table, b, lk).to(dt), lk - lq, stride, scale)
+            _proxy_operand(q[q0:q0 + lq], proxy_precision, dt),
+            _proxy_operand(gather_kv(k_cache, page_table, b, lk), proxy_precision, dt), lk - lq, stride, scale)
         scores[:, g0:g0 + s_b.shape[1], : s_b.shape[2]] = s_b
         hrm[:, g0:g0 + s_b.shape[1], : s_b.shape[2]] = h_b
     return scores, hrm
 
 
 def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-        stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE):
+        stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
+        proxy_precision=defaults.PROXY_PRECISION):
     """Spec section 2: ``order`` int32 ``[Hq, num_q_blocks, ceil(max_seqlen_k/128)]`` (each list in
     visiting order, then -1) and ``counts`` int32 ``[Hq, num_q_blocks]``."""
     total_q, hq, _ = q.shape
@@ -185,7 +214,7 @@ def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqle
     order = torch.full((hq, nqb, max_nk), -1, dtype=torch.int32, device=q.device)
     counts = torch.zeros((hq, nqb), dtype=torch.int32, device=q.device)
     scores, hrm = kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                             stride, softmax_scale)
+                             stride, softmax_scale, proxy_precision)
     for _, _, lq, lk, g0 in _sequences(cu_seqlens_q, seqused_k):
         nq, nk = cdiv(lq, BLOCK), cdiv(lk, BLOCK)
         if nq == 0:

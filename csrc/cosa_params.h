@@ -55,11 +55,16 @@ struct PagedLayout {
   float softmax_scale = 0.f;  // sigma
 };
 
+// What KAP's proxy GEMM multiplies (spec section 2): q and k as given, or e4m3 copies of them with
+// one scale per 128-token block and head.
+enum class ProxyPrecision : int { kNative = 0, kE4M3 = 1 };
+
 // KAP (spec section 2). Inputs are validated by the binding before launch.
 struct KapParams {
   PagedLayout layout;
   int stride = 8;        // s: divides 128
   float top_p = 0.95f;   // (0, 1]
+  ProxyPrecision precision = ProxyPrecision::kNative;
   // Outputs, contiguous: order [num_heads_q, num_q_blocks, max_k_blocks] (list then -1 padding),
   // counts [num_heads_q, num_q_blocks].
   int32_t* order = nullptr;

@@ -43,7 +43,7 @@
 // The defaults of the tuning arguments come from cosa/defaults.py, their one source: setup.py
 // passes them as these macros, and the schemas below spell them.
 #if !defined(COSA_DEFAULT_STRIDE) || !defined(COSA_DEFAULT_TOP_P) || !defined(COSA_DEFAULT_SOFTMAX_SCALE) || \
-    !defined(COSA_DEFAULT_DELTA) || !defined(COSA_DEFAULT_VOTE)
+    !defined(COSA_DEFAULT_DELTA) || !defined(COSA_DEFAULT_VOTE) || !defined(COSA_DEFAULT_PROXY_PRECISION)
 #error "build through setup.py, which passes the defaults of cosa/defaults.py as the COSA_DEFAULT_* macros"
 #endif
 #define COSA_SPELL_(value) #value
@@ -53,6 +53,7 @@
 #define COSA_SOFTMAX_SCALE_ARG "float? softmax_scale=" COSA_SPELL(COSA_DEFAULT_SOFTMAX_SCALE)
 #define COSA_DELTA_ARG "float delta=" COSA_SPELL(COSA_DEFAULT_DELTA)
 #define COSA_VOTE_ARG "str vote=\"" COSA_SPELL(COSA_DEFAULT_VOTE) "\""
+#define COSA_PROXY_PRECISION_ARG "str proxy_precision=\"" COSA_SPELL(COSA_DEFAULT_PROXY_PRECISION) "\""
 
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
@@ -62,13 +63,13 @@ PyMODINIT_FUNC PyInit__C(void) {
 TORCH_LIBRARY(cosa, m) {
   m.def("kap(Tensor q, Tensor k_cache, Tensor page_table, Tensor cu_seqlens_q, Tensor seqused_k, "
         "int max_seqlen_q, int max_seqlen_k, " COSA_STRIDE_ARG ", " COSA_TOP_P_ARG ", " COSA_SOFTMAX_SCALE_ARG
-        ") -> (Tensor order, Tensor counts)");
+        ", " COSA_PROXY_PRECISION_ARG ") -> (Tensor order, Tensor counts)");
   m.def("osk(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
         "Tensor seqused_k, Tensor order, Tensor counts, int max_seqlen_q, " COSA_SOFTMAX_SCALE_ARG ", "
         COSA_DELTA_ARG ", " COSA_VOTE_ARG ") -> (Tensor out, Tensor lse, Tensor skipped)");
   m.def("prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
         "Tensor seqused_k, int max_seqlen_q, int max_seqlen_k, " COSA_STRIDE_ARG ", " COSA_TOP_P_ARG ", "
-        COSA_SOFTMAX_SCALE_ARG ", " COSA_DELTA_ARG ", " COSA_VOTE_ARG
+        COSA_SOFTMAX_SCALE_ARG ", " COSA_DELTA_ARG ", " COSA_VOTE_ARG ", " COSA_PROXY_PRECISION_ARG
         ") -> (Tensor out, Tensor lse, Tensor order, Tensor counts, Tensor skipped)");
   // The argument contract of the op named `op` (kap, osk or prefill), for any device: the arguments
   // that op lacks are None. A max length left None is derived from the lengths (read on the host);
@@ -78,7 +79,7 @@ TORCH_LIBRARY(cosa, m) {
   m.def("check_args(str op, Tensor q, Tensor k_cache, Tensor page_table, Tensor cu_seqlens_q, Tensor seqused_k, "
         "Tensor? v_cache=None, Tensor? order=None, Tensor? counts=None, int? max_seqlen_q=None, "
         "int? max_seqlen_k=None, int? stride=None, float? top_p=None, float? softmax_scale=None, "
-        "float? delta=None, str? vote=None) -> (int max_seqlen_q, int max_seqlen_k)");
+        "float? delta=None, str? vote=None, str? proxy_precision=None) -> (int max_seqlen_q, int max_seqlen_k)");
   // This thread's device-checks setting (see device_checks_enabled below); set_ returns the previous one.
   m.def("set_device_checks(bool enabled) -> bool");
   m.def("device_checks_enabled() -> bool");
@@ -204,6 +205,7 @@ struct OpArgs {
   std::optional<double> softmax_scale;
   std::optional<double> delta;
   std::optional<c10::string_view> vote;
+  std::optional<c10::string_view> proxy_precision = std::nullopt;
 };
 
 // Sizes of the paged layout, read from checked shapes.
@@ -297,6 +299,10 @@ void check_scalars(const OpArgs& a) {
   if (a.vote) {
     COSA_CHECK_VALUE(*a.vote == "tile" || *a.vote == "warpgroup", op, "vote must be 'tile' or 'warpgroup', got '",
                      std::string(*a.vote), "'");
+  }
+  if (a.proxy_precision) {
+    COSA_CHECK_VALUE(*a.proxy_precision == "native" || *a.proxy_precision == "fp8", op,
+                     "proxy_precision must be 'native' or 'fp8', got '", std::string(*a.proxy_precision), "'");
   }
 }
 
@@ -429,12 +435,13 @@ std::tuple<int64_t, int64_t> check_args(c10::string_view op_name, const at::Tens
                                         const std::optional<at::Tensor>& counts, std::optional<int64_t> max_seqlen_q,
                                         std::optional<int64_t> max_seqlen_k, std::optional<int64_t> stride,
                                         std::optional<double> top_p, std::optional<double> softmax_scale,
-                                        std::optional<double> delta, std::optional<c10::string_view> vote) {
+                                        std::optional<double> delta, std::optional<c10::string_view> vote,
+                                        std::optional<c10::string_view> proxy_precision) {
   const std::string op(op_name);
   TORCH_CHECK_VALUE(order.has_value() == counts.has_value(), "cosa.check_args: order and counts come together");
   OpArgs a{op.c_str(), q, k_cache, v_cache ? &*v_cache : nullptr, page_table, cu_seqlens_q, seqused_k,
            order ? &*order : nullptr, counts ? &*counts : nullptr, max_seqlen_q, max_seqlen_k, stride, top_p,
-           softmax_scale, delta, vote};
+           softmax_scale, delta, vote, proxy_precision};
   const Sizes s = check_tensors(a);
   check_scalars(a);
   if (max_seqlen_q) check_list_shapes(a, s, *max_seqlen_q);
@@ -497,6 +504,15 @@ constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 
 // KAP sorts each list in shared memory (csrc/kap/kap_select_kernel.cuh): 16384 key blocks at most.
 constexpr int64_t kKapMaxSeqlenK = 16384 * kBlock;
+// KAP's scoring kernel holds row starts as 32-bit offsets in 16-byte units (kap_score_kernel.cuh).
+constexpr int64_t kKapMaxSpanElements = (int64_t{1} << 32) * 8;
+
+// Elements from a tensor's first to its last element, plus one.
+int64_t element_span(const at::Tensor& t) {
+  int64_t span = 1;
+  for (int64_t dim = 0; dim < t.dim(); ++dim) span += (t.size(dim) - 1) * t.stride(dim);
+  return t.numel() == 0 ? 0 : span;
+}
 
 // What the kernels and their plain-data view (cosa_params.h) need beyond the contract.
 void check_cuda_limits(const OpArgs& a, const Sizes& s) {
@@ -510,6 +526,12 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
     COSA_CHECK_VALUE(*a.stride == 4 || *a.stride == 8 || *a.stride == 16, op,
                      "stride must be 4, 8 or 16 on CUDA, got ", *a.stride,
                      " (the reference, cosa.reference.kap, accepts any divisor of ", kBlock, ")");
+    for (const auto& [name, tensor] : {std::pair<const char*, const at::Tensor*>{"q", &a.q},
+                                       std::pair<const char*, const at::Tensor*>{"k_cache", &a.k_cache}}) {
+      COSA_CHECK_VALUE(element_span(*tensor) <= kKapMaxSpanElements, op, name, " spans ",
+                       element_span(*tensor), " elements, more than the CUDA KAP limit of ",
+                       kKapMaxSpanElements, " (2^32 16-byte units)");
+    }
   }
   check_rows_aligned(op, "q", a.q);
   check_rows_aligned(op, "k_cache", a.k_cache);
@@ -617,8 +639,13 @@ void check_launch(const char* op, const char* kernel, cudaError_t error) {
   TORCH_CHECK(error == cudaSuccess, message("cosa.", op, ": the ", kernel, " launch failed: ", cudaGetErrorString(error)));
 }
 
+cosa::ProxyPrecision proxy_precision_of(c10::string_view precision) {
+  return precision == "fp8" ? cosa::ProxyPrecision::kE4M3 : cosa::ProxyPrecision::kNative;  // checked by check_scalars
+}
+
 std::tuple<at::Tensor, at::Tensor> launch_kap(const char* op, const cosa::PagedLayout& layout, const at::Tensor& q,
-                                              int64_t stride, double top_p, cudaStream_t stream) {
+                                              int64_t stride, double top_p, c10::string_view precision,
+                                              cudaStream_t stream) {
   const auto int_options = q.options().dtype(at::kInt);
   at::Tensor order = at::empty({layout.num_heads_q, layout.num_q_blocks, layout.max_k_blocks}, int_options);
   at::Tensor counts = at::empty({layout.num_heads_q, layout.num_q_blocks}, int_options);
@@ -626,6 +653,7 @@ std::tuple<at::Tensor, at::Tensor> launch_kap(const char* op, const cosa::PagedL
   params.layout = layout;
   params.stride = static_cast<int>(stride);
   params.top_p = static_cast<float>(top_p);
+  params.precision = proxy_precision_of(precision);
   params.order = order.mutable_data_ptr<int32_t>();
   params.counts = counts.mutable_data_ptr<int32_t>();
   // The caching allocator ties the workspace to the current stream: releasing it when this
@@ -668,14 +696,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_osk(const char* op, const 
 std::tuple<at::Tensor, at::Tensor> kap_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                             const at::Tensor& page_table, const at::Tensor& cu_seqlens_q,
                                             const at::Tensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                            int64_t stride, double top_p, std::optional<double> softmax_scale) {
+                                            int64_t stride, double top_p, std::optional<double> softmax_scale,
+                                            c10::string_view proxy_precision) {
   const OpArgs a{"kap", q, k_cache, nullptr, page_table, cu_seqlens_q, seqused_k, nullptr, nullptr, max_seqlen_q,
-                 max_seqlen_k, stride, top_p, softmax_scale, std::nullopt, std::nullopt};
+                 max_seqlen_k, stride, top_p, softmax_scale, std::nullopt, std::nullopt, proxy_precision};
   const Sizes s = check_cuda_args(a);
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cosa::PagedLayout layout = make_layout(s, a, max_seqlen_k, ceil_div(max_seqlen_k, kBlock));
   check_device_data(a, s, layout);
-  return launch_kap(a.op, layout, q, stride, top_p, at::cuda::getCurrentCUDAStream().stream());
+  return launch_kap(a.op, layout, q, stride, top_p, proxy_precision, at::cuda::getCurrentCUDAStream().stream());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> osk_cuda(const at::Tensor& q, const at::Tensor& k_cache,
@@ -699,9 +728,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> osk_cuda(const at::Tensor& q, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& page_table,
     const at::Tensor& cu_seqlens_q, const at::Tensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    int64_t stride, double top_p, std::optional<double> softmax_scale, double delta, c10::string_view vote) {
+    int64_t stride, double top_p, std::optional<double> softmax_scale, double delta, c10::string_view vote,
+    c10::string_view proxy_precision) {
   const OpArgs a{"prefill", q, k_cache, &v_cache, page_table, cu_seqlens_q, seqused_k, nullptr, nullptr,
-                 max_seqlen_q, max_seqlen_k, stride, top_p, softmax_scale, delta, vote};
+                 max_seqlen_q, max_seqlen_k, stride, top_p, softmax_scale, delta, vote, proxy_precision};
   const Sizes s = check_cuda_args(a);
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cosa::PagedLayout layout = make_layout(s, a, max_seqlen_k, ceil_div(max_seqlen_k, kBlock));
@@ -709,7 +739,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_c
   // KAP then OSK on one stream, the host never waiting in between; the lists that KAP just wrote
   // satisfy the contract by construction, so they are not checked again.
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  auto [order, counts] = launch_kap(a.op, layout, q, stride, top_p, stream);
+  auto [order, counts] = launch_kap(a.op, layout, q, stride, top_p, proxy_precision, stream);
   auto [out, lse, skipped] = launch_osk(a.op, layout, q, order, counts, delta, vote, stream);
   return {out, lse, order, counts, skipped};
 }

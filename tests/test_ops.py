@@ -141,6 +141,9 @@ BAD_TUNING = [
     ("top_p_big", dict(top_p=1.5), ValueError, "top_p"),
     ("delta_nan", dict(delta=math.nan), ValueError, "delta"),
     ("scale_negative", dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    ("vote_word", dict(vote="both"), ValueError, "vote must be 'tile' or 'warpgroup', got 'both'"),
+    ("proxy_precision_word", dict(proxy_precision="int8"), ValueError,
+     "proxy_precision must be 'native' or 'fp8', got 'int8'"),
 ]
 
 
@@ -163,10 +166,11 @@ def test_bad_layout_is_a_clear_error(ops, device, case):
 def test_bad_tuning_argument_is_a_clear_error(ops, device, case):
     _, kwargs, exc, text = case
     p = small_problem(device=device)
-    args = dict(stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=None, delta=defaults.DELTA)
+    args = dict(stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=None, delta=defaults.DELTA,
+                vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION)
     args.update(kwargs)
     with pytest.raises(exc, match=f"cosa.prefill: {text}"):
-        ops.prefill(*prefill_args(p), args["stride"], args["top_p"], args["softmax_scale"], args["delta"])
+        ops.prefill(*prefill_args(p), *args.values())
 
 
 @pytest.mark.gpu
@@ -311,6 +315,7 @@ WRONG_TYPES = [  # (argument, value, wrappers that take it, expected type's word
     ("softmax_scale", "0.1", ("kap", "osk", "prefill"), "a real number or None"),
     ("delta", "2000", ("osk", "prefill"), "a real number"),
     ("vote", 1, ("osk", "prefill"), "a str"),
+    ("proxy_precision", 8, ("kap", "prefill"), "a str"),
     ("max_seqlen_q", 300.0, ("kap", "osk", "prefill"), "an int or None"),
     ("max_seqlen_k", "328", ("kap", "prefill"), "an int or None"),
     ("page_table", [[0, 1]], ("kap", "osk", "prefill"), "a torch.Tensor"),
@@ -391,7 +396,7 @@ def test_the_defaults_have_one_source(ops):
     import inspect
 
     expected = dict(stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-                    delta=defaults.DELTA, vote=defaults.VOTE)
+                    delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION)
     for op in (ops.kap, ops.osk, ops.prefill):
         for argument in op.default._schema.arguments:
             if argument.name in expected:

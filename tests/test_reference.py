@@ -246,6 +246,56 @@ def test_kap_finds_needles():
     assert rel_err(out, run_dense(p)[0]) < 0.05
 
 
+def _e4m3_grid():
+    """Every finite non-negative float8 e4m3 value."""
+    return torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def test_e4m3_block_values_keep_values_on_the_scaled_grid():
+    # A block whose amax is 448 * 2^k holds scale 2^k exactly: values on that scaled grid come back.
+    grid = _e4m3_grid()
+    x = torch.zeros(256, 2, 128)
+    x[:128, 0] = grid[torch.randint(0, grid.numel(), (128, 128), generator=torch.Generator().manual_seed(0))] * 0.25
+    x[0, 0, 0] = 448.0 * 0.25
+    x[128:, 1] = -grid[torch.randint(0, grid.numel(), (128, 128), generator=torch.Generator().manual_seed(1))] * 8.0
+    x[129, 1, 3] = -448.0 * 8.0
+    assert torch.equal(R.e4m3_block_values(x.to(torch.bfloat16)), x)
+
+
+def test_e4m3_blocks_and_heads_are_scaled_independently():
+    x = torch.randn(300, 3, 64, generator=torch.Generator().manual_seed(2))
+    big = x.clone()
+    big[128:256, 1] *= 1000.0  # one (block, head) only
+    a, b = R.e4m3_block_values(x), R.e4m3_block_values(big)
+    same = torch.ones(300, 3, dtype=torch.bool)
+    same[128:256, 1] = False
+    assert torch.equal(a[same], b[same])
+    assert torch.allclose(b[128:256, 1], 1000.0 * a[128:256, 1], rtol=1e-6)
+    # Relative error of one e4m3 rounding (3 mantissa bits) against the block's amax.
+    err = (a - x).abs().amax() / x.abs().amax()
+    assert 0 < err <= 2.0 ** -4
+
+
+def test_e4m3_block_values_nan_and_zero_blocks():
+    x = torch.randn(256, 2, 64, generator=torch.Generator().manual_seed(3))
+    x[130, 0, 7] = math.nan
+    x[:128, 1] = 0.0
+    v = R.e4m3_block_values(x)
+    assert v[128:, 0].isnan().all() and not v[:128].isnan().any() and not v[128:, 1].isnan().any()
+    assert (v[:128, 1] == 0).all()
+
+
+@pytest.mark.parametrize("stride", [8, 16])
+def test_fp8_proxy_keeps_the_kept_sets_of_clear_structure(stride):
+    # Near-tied scores may swap places within a list; the blocks kept stay the same.
+    p = random_problem([1024, 300], [1024 + 256, 300], 4, 2, 64, dtype=torch.float32, structure="needles",
+                       seed=stride)
+    native_order, native_counts = run_kap(p, stride=stride)
+    fp8_order, fp8_counts = run_kap(p, stride=stride, proxy_precision="fp8")
+    assert torch.equal(native_counts, fp8_counts)
+    assert torch.equal(native_order.sort(-1).values, fp8_order.sort(-1).values)
+
+
 def test_the_row_check_catches_one_wrong_row():
     """One zeroed (token, head) row hides in a whole-tensor norm; the per-row check names it."""
     p = problem(structure="mixed", seed=5)

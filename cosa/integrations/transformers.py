@@ -60,6 +60,7 @@ class Settings:
     delta: float = defaults.DELTA
     stride: int = defaults.STRIDE
     vote: str = defaults.VOTE
+    proxy_precision: str = defaults.PROXY_PRECISION
     min_prefill_tokens: int = 4096
     collect_stats: bool = False
     block_selector: BlockSelector | None = None
@@ -147,13 +148,15 @@ class CosaAttention(AttentionOverride):
 
 
 def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: float = defaults.DELTA,
-           stride: int = defaults.STRIDE, vote: str = defaults.VOTE, min_prefill_tokens: int = 4096, collect_stats: bool = False,
+           stride: int = defaults.STRIDE, vote: str = defaults.VOTE, proxy_precision: str = defaults.PROXY_PRECISION,
+           min_prefill_tokens: int = 4096, collect_stats: bool = False,
            block_selector: BlockSelector | None = None) -> CosaAttention:
     """Run the model's long prefills with CoSA (module docstring); returns the handle/context manager.
 
     ``top_p``, ``stride``: KAP's stage-1 selection; ``delta``: OSK's skip scale (``<= 0``: no
     in-kernel skip); ``vote``: who decides a skip together, each 64-row half of a tile
-    (``"warpgroup"``) or the whole tile (``"tile"``); ``min_prefill_tokens``: shorter prefills (and every decode step) stay dense;
+    (``"warpgroup"``) or the whole tile (``"tile"``); ``proxy_precision``: what KAP's proxy GEMM
+    multiplies, q and k as given (``"native"``) or e4m3 copies (``"fp8"``); ``min_prefill_tokens``: shorter prefills (and every decode step) stay dense;
     ``collect_stats``: record each call's budgets in ``handle.calls`` (reads the lists on the host:
     one synchronisation per layer); ``block_selector``: replace KAP with another selection (the
     benchmarks feed the peers' masks to OSK this way)."""
@@ -161,8 +164,10 @@ def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: floa
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if stride <= 0 or BLOCK % stride:
         raise ValueError(f"stride must divide {BLOCK}, got {stride}")
-    if vote not in ("warpgroup", "tile"):
+    if vote not in reference.VOTE_SCOPES:
         raise ValueError(f"vote must be 'warpgroup' or 'tile', got {vote!r}")
+    if proxy_precision not in reference.PROXY_PRECISIONS:
+        raise ValueError(f"proxy_precision must be 'native' or 'fp8', got {proxy_precision!r}")
     if min_prefill_tokens < 1:
         raise ValueError(f"min_prefill_tokens must be >= 1, got {min_prefill_tokens}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -170,7 +175,8 @@ def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: floa
         warnings.warn(f"cosa: model type {model_type!r} is not one of the tested families {SUPPORTED_MODEL_TYPES}; "
                       "CoSA runs wherever its attention goes through transformers' AttentionInterface",
                       stacklevel=2)
-    settings = Settings(top_p=top_p, delta=delta, stride=stride, vote=vote, min_prefill_tokens=min_prefill_tokens,
+    settings = Settings(top_p=top_p, delta=delta, stride=stride, vote=vote, proxy_precision=proxy_precision,
+                        min_prefill_tokens=min_prefill_tokens,
                         collect_stats=collect_stats, block_selector=block_selector)
     return CosaAttention(model, settings)
 
@@ -286,6 +292,7 @@ def _sparse(module, q, k, v, scaling, settings: Settings):
     if settings.block_selector is None:
         result = cosa.sparse_attention(q, k, v, stride=settings.stride, top_p=settings.top_p,
                                        softmax_scale=scaling, delta=settings.delta, vote=settings.vote,
+                                       proxy_precision=settings.proxy_precision,
                                        return_stats=settings.collect_stats)
         if not settings.collect_stats:
             return result, {}

@@ -9,6 +9,7 @@
 #include "common/query_blocks.cuh"
 #include "cosa_params.h"
 #include "kap/kap_launch.h"
+#include "kap/kap_quantize_kernel.cuh"
 #include "kap/kap_select_kernel.cuh"
 #include "kap/kap_traits.h"
 
@@ -109,20 +110,20 @@ cudaError_t launch_select(const KapDeviceArgs& args, cudaStream_t stream) {
   return launch_dependent(kernel, grid, dim3(kSelectThreads), smem, stream, args);
 }
 
-template <bool kBFloat16, int kHeadDim>
+template <ProxyElement kElement, int kHeadDim>
 cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   switch (stride) {
     case 4:
-      err = launch_score<kBFloat16, kHeadDim, 4>(args, stream);
+      err = launch_score<kElement, kHeadDim, 4>(args, stream);
       if (err == cudaSuccess) err = launch_select<4>(args, stream);
       break;
     case 8:
-      err = launch_score<kBFloat16, kHeadDim, 8>(args, stream);
+      err = launch_score<kElement, kHeadDim, 8>(args, stream);
       if (err == cudaSuccess) err = launch_select<8>(args, stream);
       break;
     case 16:
-      err = launch_score<kBFloat16, kHeadDim, 16>(args, stream);
+      err = launch_score<kElement, kHeadDim, 16>(args, stream);
       if (err == cudaSuccess) err = launch_select<16>(args, stream);
       break;
     default:
@@ -131,17 +132,34 @@ cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, cudaStream_t str
   return err;
 }
 
+template <ProxyElement kElement>
 cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, cudaStream_t stream) {
-  const bool bf16 = args.layout.dtype == DType::kBFloat16;
-  if (args.layout.head_dim == 128) {
-    return bf16 ? launch_chunk<true, 128>(args, stride, stream)
-                : launch_chunk<false, 128>(args, stride, stream);
-  }
-  if (args.layout.head_dim == 64) {
-    return bf16 ? launch_chunk<true, 64>(args, stride, stream)
-                : launch_chunk<false, 64>(args, stride, stream);
-  }
+  if (args.layout.head_dim == 128) return launch_chunk<kElement, 128>(args, stride, stream);
+  if (args.layout.head_dim == 64) return launch_chunk<kElement, 64>(args, stride, stream);
   return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, ProxyPrecision precision,
+                         cudaStream_t stream) {
+  if (precision == ProxyPrecision::kE4M3) {
+    return launch_chunk<ProxyElement::kE4M3>(args, stride, stream);
+  }
+  return args.layout.dtype == DType::kBFloat16
+             ? launch_chunk<ProxyElement::kBFloat16>(args, stride, stream)
+             : launch_chunk<ProxyElement::kFloat16>(args, stride, stream);
+}
+
+// The e4m3 copies of q and of the keys of every sequence, with their block scales.
+template <class Element>
+cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
+  const PagedLayout& L = args.layout;
+  const dim3 grid(static_cast<unsigned>(L.num_q_blocks + L.batch * L.max_k_blocks),
+                  static_cast<unsigned>(L.num_heads_q));
+  return L.head_dim == 128
+             ? launch_dependent(kap_quantize_kernel<Element, 128>, grid, dim3(kQuantizeThreads), 0,
+                                stream, args)
+             : launch_dependent(kap_quantize_kernel<Element, 64>, grid, dim3(kQuantizeThreads), 0,
+                                stream, args);
 }
 
 }  // namespace
@@ -154,6 +172,9 @@ size_t kap_workspace_bytes(const KapParams& params) {
 cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
   const PagedLayout& layout = params.layout;
   if (params.stride != 4 && params.stride != 8 && params.stride != 16) return cudaErrorInvalidValue;
+  if (params.precision != ProxyPrecision::kNative && params.precision != ProxyPrecision::kE4M3) {
+    return cudaErrorInvalidValue;
+  }
   if (layout.head_dim != 64 && layout.head_dim != 128) return cudaErrorInvalidValue;
   if (layout.num_q_blocks == 0 || layout.num_heads_q == 0) return cudaSuccess;
   if (kap::select_smem_bytes(layout.max_k_blocks) > 200 * 1024) return cudaErrorInvalidValue;
@@ -169,6 +190,12 @@ cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
   args.block_max = reinterpret_cast<float*>(base + ws.block_max_offset);
   args.row_max = reinterpret_cast<uint32_t*>(base + ws.row_max_offset);
   args.block_max_rows = ws.rows;
+  if (params.precision == ProxyPrecision::kE4M3) {
+    args.q8 = base + ws.q8_offset;
+    args.k8 = base + ws.k8_offset;
+    args.q_scale = reinterpret_cast<float*>(base + ws.q_scale_offset);
+    args.k_scale = reinterpret_cast<float*>(base + ws.k_scale_offset);
+  }
   args.num_tiles = kap::score_tiles_bound(layout, params.stride);
   int device = 0, num_sms = 132;
   cudaGetDevice(&device);
@@ -197,10 +224,14 @@ cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
       dim3(kap::kIndexThreads), 0, stream, layout.cu_seqlens_q, layout.batch, params.stride,
       reinterpret_cast<int32_t*>(base + ws.q_block_start_offset),
       reinterpret_cast<int32_t*>(base + ws.tile_start_offset), args.row_max, row_max_words);
+  if (err == cudaSuccess && params.precision == ProxyPrecision::kE4M3) {
+    err = layout.dtype == DType::kBFloat16 ? kap::launch_quantize<__nv_bfloat16>(args, stream)
+                                           : kap::launch_quantize<__half>(args, stream);
+  }
   for (int head = 0; err == cudaSuccess && head < layout.num_heads_q; head += ws.heads_per_chunk) {
     args.head_begin = head;
     args.head_count = min(ws.heads_per_chunk, layout.num_heads_q - head);
-    err = kap::launch_chunk(args, params.stride, stream);
+    err = kap::launch_chunk(args, params.stride, params.precision, stream);
   }
   return err;
 }

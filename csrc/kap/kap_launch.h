@@ -1,5 +1,5 @@
-// Launchers of the KAP kernels, one translation unit per dtype for the scoring kernel (the
-// expensive one to compile) and kap_api.cu for the rest.
+// Launchers of the KAP kernels, one translation unit per proxy element type for the scoring kernel
+// (the expensive one to compile) and kap_api.cu for the rest.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,7 +8,7 @@
 
 namespace cosa::kap {
 
-template <bool kBFloat16, int kHeadDim, int kStride>
+template <ProxyElement kElement, int kHeadDim, int kStride>
 cudaError_t launch_score(const KapDeviceArgs& args, cudaStream_t stream);
 
 }  // namespace cosa::kap

@@ -1,5 +1,5 @@
 #include "kap/kap_score_launch.cuh"
 
 namespace cosa::kap {
-COSA_KAP_INSTANTIATE_SCORE(true)
+COSA_KAP_INSTANTIATE_SCORE(ProxyElement::kBFloat16)
 }  // namespace cosa::kap

@@ -11,28 +11,35 @@
 // crosses a page since s <= 16 <= page_size and both are powers of two). Positions past Lq/Lk are
 // zero-filled, as the spec's zero rows. The pipeline is one flat sequence of (column tile, K
 // slice) steps, so the loads of the next column tile overlap the epilogue of the current one.
+// With the e4m3 proxy the operands are the quantisation pass's copies (kap_quantize_kernel.cuh):
+// a 128-byte row then holds 128 elements, so a K slice may span two tokens of a group (d = 64),
+// and the epilogue multiplies each block maximum by its query and key blocks' scales.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/async_copy.cuh"
-#include "kap/kap_ptx.cuh"
+#include "kap/kap_mma.cuh"
 #include "kap/kap_traits.h"
 
 namespace cosa::kap {
 
-template <bool kBFloat16, int kHeadDim, int kStride, int kCols>
+template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
 __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDeviceArgs args) {
-  static_assert(kHeadDim % kTileK == 0, "head dim must be a multiple of 64");
+  using Elements = ProxyElementTraits<kElement>;
+  constexpr bool kE4M3 = kElement == ProxyElement::kE4M3;
+  constexpr int kRowElems = Elements::kRowElems;              // elements of one K slice row
+  constexpr int kChunkElems = 16 / Elements::kBytes;          // elements of one 16-byte copy
+  static_assert((kStride * kHeadDim) % kRowElems == 0, "a group's s * d must fill whole rows");
   using Tile = ScoreTile<kCols>;
   constexpr int kTileCols = Tile::kTileCols;
   constexpr int kStages = Tile::kStages;
   constexpr int kStageBytes = Tile::kStageBytes;
   constexpr int kRowsPerBlock = kBlockSize / kStride;       // stride rows (and columns) per block
-  constexpr int kSlicesPerToken = kHeadDim / kTileK;         // K slices per token of a group
-  constexpr int kSteps = kStride * kSlicesPerToken;          // K slices per column tile
+  constexpr int kSteps = kStride * kHeadDim / kRowElems;     // K slices per column tile
   constexpr int kGroups = kTileCols / kRowsPerBlock;         // key blocks per column tile
   constexpr int kFragsPerGroup = kRowsPerBlock / 8;          // 8-column fragments per key block
   constexpr int kLoadRows = kScoreThreads / 8;               // rows one load pass covers
@@ -80,24 +87,37 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
   const uint32_t load_smem_offset =
       load_row * 128 + ((load_chunk ^ (load_row % 8)) * 16);  // kLoadRows % 8 == 0: same swizzle
 
-  using Elem = uint16_t;
-  const Elem* q_ptr = static_cast<const Elem*>(L.q);
-  const Elem* k_ptr = static_cast<const Elem*>(L.k_cache);
+  // Element k of the s * d long antidiagonal vector of a row is element k % d of token k / d of its
+  // group; 16-byte chunk `load_chunk` of K slice `slice` starts at k = slice * kRowElems +
+  // load_chunk * kChunkElems (one token per chunk: d is a multiple of kChunkElems).
+  using Elem = std::conditional_t<kE4M3, uint8_t, uint16_t>;
+  const Elem* q_ptr = kE4M3 ? reinterpret_cast<const Elem*>(args.q8) : static_cast<const Elem*>(L.q);
+  const Elem* k_ptr =
+      kE4M3 ? reinterpret_cast<const Elem*>(args.k8) : static_cast<const Elem*>(L.k_cache);
+  // Element strides of the operands: the inputs', or the e4m3 copies' ([tokens, heads, d]).
+  const int64_t q_row_stride = kE4M3 ? int64_t(L.num_heads_q) * kHeadDim : L.q_row_stride;
+  const int64_t q_head_stride = kE4M3 ? int64_t(kHeadDim) : L.q_head_stride;
+  const int64_t k_row_stride = kE4M3 ? int64_t(L.num_heads_kv) * kHeadDim : L.k_row_stride;
+  const int64_t k_head_stride = kE4M3 ? int64_t(kHeadDim) : L.k_head_stride;
 
-  // Query rows: Qs[r] slice t is token r*s + s-1-t, valid iff that token is < len_q, i.e. iff
+  // Query rows: Qs[r] token t of the group is query r*s + s-1-t, valid iff it is < len_q, i.e. iff
   // t >= r*s + s - len_q.
-  const Elem* q_base[kLoadsA];
+  // Row starts are held as 16-byte-chunk offsets from the operand's base (32 bits, 64 GB of reach)
+  // rather than as pointers: half the registers, which keeps the 256-column tile from spilling.
+  uint32_t q_base[kLoadsA];
   int q_first_valid[kLoadsA];
 #pragma unroll
   for (int i = 0; i < kLoadsA; ++i) {
     const int r = row0 + load_row + kLoadRows * i;
     const int64_t token = static_cast<int64_t>(r) * kStride + kStride - 1;
     q_first_valid[i] = r * kStride + kStride - len_q;
-    q_base[i] = q_ptr + (q_begin + token) * L.q_row_stride + head * L.q_head_stride + load_chunk * 8;
+    q_base[i] = static_cast<uint32_t>(((q_begin + token) * q_row_stride + head * q_head_stride) /
+                                      kChunkElems);
   }
-  // Key columns of the column tile being loaded: Ks[c] slice t is key c*s + t, valid iff
-  // t < len_k - c*s. Resolved through the page table once per column tile.
-  const Elem* k_base[kLoadsB];
+  // Key columns of the column tile being loaded: Ks[c] token t of the group is key c*s + t, valid
+  // iff t < len_k - c*s. Resolved through the page table (or the e4m3 copy's rows) once per
+  // column tile.
+  uint32_t k_base[kLoadsB];
   int k_valid_count[kLoadsB];
   const int32_t* page_row = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
   auto resolve_key_columns = [&](int col_tile) {
@@ -108,10 +128,14 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
       k_valid_count[i] = len_k - key;
       int64_t offset = 0;
       if (key < len_k) {
-        const int page = __ldg(page_row + key / L.page_size);
-        offset = page * L.k_page_stride + (key % L.page_size) * L.k_row_stride;
+        if constexpr (kE4M3) {
+          offset = (static_cast<int64_t>(b) * L.max_k_blocks * kBlockSize + key) * k_row_stride;
+        } else {
+          const int page = __ldg(page_row + key / L.page_size);
+          offset = page * L.k_page_stride + (key % L.page_size) * L.k_row_stride;
+        }
       }
-      k_base[i] = k_ptr + offset + kv_head * L.k_head_stride + load_chunk * 8;
+      k_base[i] = static_cast<uint32_t>((offset + kv_head * k_head_stride) / kChunkElems);
     }
   };
 
@@ -125,23 +149,26 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
         resolve_key_columns(col_tile);
         loaded_col_tile = col_tile;
       }
-      const int t = slice / kSlicesPerToken;
-      const int dim = (slice % kSlicesPerToken) * kTileK;
+      const int element = slice * kRowElems + load_chunk * kChunkElems;
+      const int t = element / kHeadDim;
+      const int dim = element % kHeadDim;
       const int stage = load_step % kStages;
       const uint32_t a_dst = a_stage(stage) + load_smem_offset;
       const uint32_t b_dst = b_stage(stage) + load_smem_offset;
-      const int64_t q_offset = -static_cast<int64_t>(t) * L.q_row_stride + dim;
-      const int64_t k_offset = static_cast<int64_t>(t) * L.k_row_stride + dim;
+      const int64_t q_offset = -static_cast<int64_t>(t) * q_row_stride + dim;
+      const int64_t k_offset = static_cast<int64_t>(t) * k_row_stride + dim;
 #pragma unroll
       for (int i = 0; i < kLoadsA; ++i) {
         const bool q_valid = t >= q_first_valid[i];
-        cp_async_16_zfill(a_dst + i * kLoadRows * 128, q_valid ? q_base[i] + q_offset : q_ptr,
+        const Elem* src = q_ptr + static_cast<int64_t>(q_base[i]) * kChunkElems + q_offset;
+        cp_async_16_zfill(a_dst + i * kLoadRows * 128, q_valid ? src : q_ptr,
                           q_valid);
       }
 #pragma unroll
       for (int i = 0; i < kLoadsB; ++i) {
         const bool k_valid = t < k_valid_count[i];
-        cp_async_16_zfill(b_dst + i * kLoadRows * 128, k_valid ? k_base[i] + k_offset : k_ptr,
+        const Elem* src = k_ptr + static_cast<int64_t>(k_base[i]) * kChunkElems + k_offset;
+        cp_async_16_zfill(b_dst + i * kLoadRows * 128, k_valid ? src : k_ptr,
                           k_valid);
       }
     }
@@ -175,15 +202,11 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
 
     wgmma_fence();
     wgmma_fence_operands(acc);
-    const uint64_t desc_a = sw128_kmajor_desc(a_stage(stage) + warpgroup * 64 * 128);
+    const uint64_t desc_a = sw128_kmajor_desc(a_stage(stage) + warpgroup * 64 * kTileRowBytes);
     const uint64_t desc_b = sw128_kmajor_desc(b_stage(stage));
 #pragma unroll
-    for (int k = 0; k < kTileK / 16; ++k) {
-      if constexpr (kTileCols == 256) {
-        wgmma_m64n256k16<kBFloat16>(acc, desc_a + 2 * k, desc_b + 2 * k, (slice > 0 || k > 0) ? 1 : 0);
-      } else {
-        wgmma_m64n128k16<kBFloat16>(acc, desc_a + 2 * k, desc_b + 2 * k, (slice > 0 || k > 0) ? 1 : 0);
-      }
+    for (int k = 0; k < kRowElems / Elements::kMmaK; ++k) {
+      proxy_mma<kElement, kTileCols>(acc, desc_a + 2 * k, desc_b + 2 * k, slice > 0 || k > 0);
     }
     wgmma_commit();
     wgmma_fence_operands(acc);
@@ -200,6 +223,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
     const int col_tile = col_tile_begin + step / kSteps;
     const int col0 = col_tile * kTileCols;
     const bool needs_mask = col0 + kTileCols - 1 > row0 + prefix_cols;
+
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = row0 + row_in_tile + 8 * half;
@@ -237,6 +261,27 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
         const float other = __shfl_xor_sync(0xffffffffu, high ? pair_max[k] : pair_max[k + 1], 2);
         quad_max[k / 2] = fmaxf(high ? pair_max[k + 1] : pair_max[k], other);
       }
+      // The row's logits scale: sigma / s, times (e4m3) its query block's scale. The scales are
+      // loaded here, not held through the main loop, which leaves the 256-column tile within the
+      // register file.
+      float row_scale = logit_scale;
+      if constexpr (kE4M3) {
+        // Each reduction step above combined one key block across lanes, so the lane's blocks
+        // 4q + (lane & 3) take their scales now (> 0: a block's max times its scale is the max of
+        // its scaled logits). Blocks past Lk have no scale, and no allowed column either.
+        const float* k_scale_row =
+            args.k_scale + static_cast<int64_t>(b) * L.max_k_blocks * L.num_heads_kv + kv_head;
+#pragma unroll
+        for (int q = 0; q < kGroups / 4; ++q) {
+          const int key_block = col0 / kRowsPerBlock + 4 * q + (lane & 3);
+          if (quad_max[q] != -INFINITY) {
+            quad_max[q] *= __ldg(k_scale_row + static_cast<int64_t>(key_block) * L.num_heads_kv);
+          }
+        }
+        if (r < num_rows) {
+          row_scale *= __ldg(args.q_scale + (first_row + r) / kRowsPerBlock * L.num_heads_q + head);
+        }
+      }
       float row_best = -INFINITY;  // blocks without an allowed column hold -inf
 #pragma unroll
       for (int q = 0; q < kGroups / 4; ++q) row_best = fmaxf(row_best, quad_max[q]);
@@ -248,10 +293,10 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
         for (int q = 0; q < kGroups / 4; ++q) {
           const int g = 4 * q + (lane & 3);
           // Block g has an allowed column iff its first column is allowed.
-          if (g * kRowsPerBlock <= col_limit) out_row[g] = quad_max[q] * logit_scale;
+          if (g * kRowsPerBlock <= col_limit) out_row[g] = quad_max[q] * row_scale;
         }
         if ((lane & 3) == 0 && row_best > -INFINITY) {
-          atomicMax(row_max_head + first_row + r, ordered_bits(row_best * logit_scale));
+          atomicMax(row_max_head + first_row + r, ordered_bits(row_best * row_scale));
         }
       }
     }

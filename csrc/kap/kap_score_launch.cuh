@@ -7,10 +7,10 @@
 
 namespace cosa::kap {
 
-template <bool kBFloat16, int kHeadDim, int kStride, int kCols>
+template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
 cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
   using Tile = ScoreTile<kCols>;
-  auto kernel = kap_score_kernel<kBFloat16, kHeadDim, kStride, kCols>;
+  auto kernel = kap_score_kernel<kElement, kHeadDim, kStride, kCols>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -20,19 +20,19 @@ cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
   return launch_dependent(kernel, grid, dim3(kScoreThreads), Tile::kSmemBytes, stream, args);
 }
 
-template <bool kBFloat16, int kHeadDim, int kStride>
+template <ProxyElement kElement, int kHeadDim, int kStride>
 cudaError_t launch_score(const KapDeviceArgs& args, cudaStream_t stream) {
   if (args.num_tiles == 0) return cudaSuccess;  // no query rows at all
-  if (args.tile_cols == 128) return launch_score_tile<kBFloat16, kHeadDim, kStride, 128>(args, stream);
-  return launch_score_tile<kBFloat16, kHeadDim, kStride, 256>(args, stream);
+  if (args.tile_cols == 128) return launch_score_tile<kElement, kHeadDim, kStride, 128>(args, stream);
+  return launch_score_tile<kElement, kHeadDim, kStride, 256>(args, stream);
 }
 
-#define COSA_KAP_INSTANTIATE_SCORE(BF16)                                                   \
-  template cudaError_t launch_score<BF16, 64, 4>(const KapDeviceArgs&, cudaStream_t);      \
-  template cudaError_t launch_score<BF16, 64, 8>(const KapDeviceArgs&, cudaStream_t);      \
-  template cudaError_t launch_score<BF16, 64, 16>(const KapDeviceArgs&, cudaStream_t);     \
-  template cudaError_t launch_score<BF16, 128, 4>(const KapDeviceArgs&, cudaStream_t);     \
-  template cudaError_t launch_score<BF16, 128, 8>(const KapDeviceArgs&, cudaStream_t);     \
-  template cudaError_t launch_score<BF16, 128, 16>(const KapDeviceArgs&, cudaStream_t);
+#define COSA_KAP_INSTANTIATE_SCORE(ELEMENT)                                                   \
+  template cudaError_t launch_score<ELEMENT, 64, 4>(const KapDeviceArgs&, cudaStream_t);      \
+  template cudaError_t launch_score<ELEMENT, 64, 8>(const KapDeviceArgs&, cudaStream_t);      \
+  template cudaError_t launch_score<ELEMENT, 64, 16>(const KapDeviceArgs&, cudaStream_t);     \
+  template cudaError_t launch_score<ELEMENT, 128, 4>(const KapDeviceArgs&, cudaStream_t);     \
+  template cudaError_t launch_score<ELEMENT, 128, 8>(const KapDeviceArgs&, cudaStream_t);     \
+  template cudaError_t launch_score<ELEMENT, 128, 16>(const KapDeviceArgs&, cudaStream_t);
 
 }  // namespace cosa::kap

@@ -23,12 +23,24 @@
 
 namespace cosa::kap {
 
+// What the proxy GEMM multiplies: the inputs' 16-bit type, or e4m3 copies of them with per-block
+// scales (spec section 2, proxy precision).
+enum class ProxyElement { kBFloat16, kFloat16, kE4M3 };
+
+template <ProxyElement kElement>
+struct ProxyElementTraits {
+  static constexpr int kBytes = kElement == ProxyElement::kE4M3 ? 1 : 2;
+  // Elements of one 128-byte shared-memory row (one K slice of the tile), and of one MMA's K.
+  static constexpr int kRowElems = 128 / kBytes;
+  static constexpr int kMmaK = 32 / kBytes;
+};
+
 // Scoring tile: kTileRows stride rows (Qs rows) x kTileCols stride columns (Ks rows), reduced over
-// the s * d long antidiagonal vectors kTileK elements at a time.
+// the s * d long antidiagonal vectors one 128-byte row at a time (64 16-bit or 128 e4m3 elements).
 constexpr int kTileRows = 128;  // two consumer warpgroups of 64 rows
-constexpr int kTileK = 64;      // one 128-byte swizzled row of 16-bit elements
+constexpr int kTileRowBytes = 128;  // one 128-byte-swizzled row of a K slice
 constexpr int kScoreThreads = 256;
-constexpr int kTileABytes = kTileRows * kTileK * 2;
+constexpr int kTileABytes = kTileRows * kTileRowBytes;
 // Column tiles: 256 wide where there is work for every SM (the smallest tile whose operand
 // traffic, 48 KB per K slice served mostly by L2, keeps up with the tensor cores), 128 wide for
 // short problems, which then split into twice as many CTAs.
@@ -36,7 +48,7 @@ template <int kCols>
 struct ScoreTile {
   static constexpr int kTileCols = kCols;
   static constexpr int kStages = kCols == 256 ? 4 : 6;  // cp.async depth; loads run kStages - 2 ahead
-  static constexpr int kTileBBytes = kCols * kTileK * 2;
+  static constexpr int kTileBBytes = kCols * kTileRowBytes;
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
 };
@@ -64,6 +76,11 @@ struct WorkspaceLayout {
   size_t tile_start_offset = 0;     // int32 [batch + 1]: first scoring tile of sequence b
   size_t block_max_offset = 0;      // fp32 [heads_per_chunk, rows, max_k_blocks]
   size_t row_max_offset = 0;        // ordered_bits(rm) [heads_per_chunk, rows], zero between passes
+  // With the e4m3 proxy only (else 0 bytes): the quantised copies and their per-block scales.
+  size_t q8_offset = 0;       // e4m3 [total_q, Hq, d], rows as q's
+  size_t k8_offset = 0;       // e4m3 [batch, max_k_blocks * 128, Hkv, d], key t of b at row t of b
+  size_t q_scale_offset = 0;  // fp32 [num_q_blocks, Hq]: packed query block g, query head
+  size_t k_scale_offset = 0;  // fp32 [batch, max_k_blocks, Hkv]
   int64_t rows = 0;                 // num_q_blocks * (128 / s)
   int heads_per_chunk = 0;
   size_t total_bytes = 0;
@@ -89,7 +106,18 @@ inline WorkspaceLayout workspace_layout(const KapParams& params) {
   }
   ws.heads_per_chunk = heads;
   ws.row_max_offset = ws.block_max_offset + align_up(head_bytes * heads, 256);
-  ws.total_bytes = ws.row_max_offset + align_up(sizeof(uint32_t) * ws.rows * heads, 256);
+  ws.q8_offset = ws.row_max_offset + align_up(sizeof(uint32_t) * ws.rows * heads, 256);
+  const bool e4m3 = params.precision == ProxyPrecision::kE4M3;
+  const size_t head_dim = static_cast<size_t>(layout.head_dim);
+  const size_t key_blocks = static_cast<size_t>(layout.batch) * layout.max_k_blocks;
+  ws.k8_offset = ws.q8_offset +
+                 (e4m3 ? align_up(static_cast<size_t>(layout.total_q) * layout.num_heads_q * head_dim, 256) : 0);
+  ws.q_scale_offset = ws.k8_offset +
+                      (e4m3 ? align_up(key_blocks * kBlockSize * layout.num_heads_kv * head_dim, 256) : 0);
+  ws.k_scale_offset = ws.q_scale_offset +
+                      (e4m3 ? align_up(sizeof(float) * layout.num_q_blocks * layout.num_heads_q, 256) : 0);
+  ws.total_bytes = ws.k_scale_offset +
+                   (e4m3 ? align_up(sizeof(float) * key_blocks * layout.num_heads_kv, 256) : 0);
   return ws;
 }
 
@@ -109,6 +137,11 @@ struct KapDeviceArgs {
   float* block_max = nullptr;              // [head_count, rows, max_k_blocks]
   uint32_t* row_max = nullptr;             // ordered_bits of rm, [head_count, rows]
   int64_t block_max_rows = 0;
+  // The e4m3 proxy's operands (WorkspaceLayout), null with the native one.
+  uint8_t* q8 = nullptr;
+  uint8_t* k8 = nullptr;
+  float* q_scale = nullptr;
+  float* k_scale = nullptr;
 };
 
 // Order-preserving map of floats to unsigned integers, so that an integer atomicMax keeps a float
