@@ -18,8 +18,9 @@ the second half of each window given everything before it (the tokens that read 
 
 Methods (prefill only; decoding is always dense):
   dense          the model's SDPA attention
-  cosa           KAP's lists run by OSK with the in-kernel skip (--top-p, --stride, --delta, --vote): the
-                 two ops that cosa.prefill chains, called one after the other so that the lists are seen
+  cosa           KAP's lists run by OSK with the in-kernel skip (--top-p, --stride, --proxy-precision,
+                 --delta, --vote): the two ops that cosa.prefill chains, called one after the other so
+                 that the lists are seen
   kap            the same lists without the skip (delta 0)
   kap-ascending  KAP's lists sorted ascending, run by OSK with the skip at the same delta and vote: KAP's
                  visiting order against ascending order (the realised budgets give the skip ratios)
@@ -289,7 +290,8 @@ def kap_lists(q: torch.Tensor, k: torch.Tensor, args, softmax_scale: float | Non
     layout = paged_from_contiguous(q, k)
     return cosa.kap(*(layout[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
                                                 "max_seqlen_q", "max_seqlen_k")),
-                    stride=args.stride, top_p=args.top_p, softmax_scale=softmax_scale)
+                    stride=args.stride, top_p=args.top_p, softmax_scale=softmax_scale,
+                    proxy_precision=args.proxy_precision)
 
 
 def ascending_lists(order: torch.Tensor, counts: torch.Tensor):
@@ -584,7 +586,8 @@ def aggregate(samples: list[dict], ppl_rows: list[dict], dropped: list[dict], re
 
 def config_of(args) -> dict:
     return {k: getattr(args, k) for k in ("lengths", "tasks", "methods", "samples", "ppl_samples", "top_p", "delta",
-                                          "vote", "stride", "min_prefill_tokens", "match", "xattn_threshold",
+                                          "vote", "stride", "proxy_precision", "min_prefill_tokens", "match",
+                                          "xattn_threshold",
                                           "flex_gamma", "flex_tau", "meanpool_top_p", "max_new_tokens",
                                           "drop_failed_tasks", "min_dense_score", "bootstrap", "seed",
                                           "haystack_dir")}
@@ -694,6 +697,9 @@ def parse_args(argv=None):
     p.add_argument("--vote", choices=reference.VOTE_SCOPES, default=defaults.VOTE,
                    help=f"who decides a skip together, each 64-row half of a tile or the tile (cosa and "
                         f"kap-ascending; default {defaults.VOTE})")
+    p.add_argument("--proxy-precision", choices=reference.PROXY_PRECISIONS, default=defaults.PROXY_PRECISION,
+                   help=f"what KAP's proxy GEMM multiplies for cosa, kap and kap-ascending: q and k as given, "
+                        f"or e4m3 copies (default {defaults.PROXY_PRECISION})")
     p.add_argument("--stride", type=int, default=defaults.STRIDE,
                    help=f"antidiagonal downsampling stride of KAP and of XAttention, a divisor of 128 "
                         f"(default {defaults.STRIDE})")
