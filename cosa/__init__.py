@@ -66,7 +66,17 @@ from . import reference, testing  # noqa: E402
 if _C_AVAILABLE:
     from . import ops as _ops
 
-    _ops.register()
+    # An extension built from other sources (an older install serving a newer tree, say) would fail
+    # at the first call with the dispatcher's words: refuse it here, saying which one and why.
+    _mismatch = _ops.schema_mismatch()
+    if _mismatch is None:
+        _ops.register()
+    else:
+        _C_AVAILABLE = False
+        _C_IMPORT_ERROR = ImportError(
+            f"the compiled extension {getattr(_C, '__file__', 'cosa._C')} was built from other sources than "
+            f"{Path(__file__).parent} ({_mismatch}): rebuild it with `bash scripts/setup.sh` or reinstall "
+            "the package (README, Install)")
 
 from .api import device_checks_enabled, kap, osk, prefill, set_device_checks, sparse_attention  # noqa: E402
 

@@ -13,15 +13,15 @@ import contextlib
 
 import torch
 
-from . import _C_AVAILABLE, defaults, reference, validation
+from . import _C_AVAILABLE, _C_IMPORT_ERROR, defaults, reference, validation
 from .reference import BLOCK, cdiv
 
 
 def _ops():
     if not _C_AVAILABLE:
         raise RuntimeError(
-            "cosa's compiled extension (cosa._C) is not available: install the package with "
-            "`TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .` (cosa.reference works without it)")
+            f"cosa's compiled extension (cosa._C) is not available ({_C_IMPORT_ERROR}); install the package "
+            "with `TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .` (cosa.reference works without it)")
     return torch.ops.cosa
 
 

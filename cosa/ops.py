@@ -86,12 +86,26 @@ def _prefill_cpu(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_s
     return out, lse, order, counts, skipped
 
 
+_KERNELS = (("kap", _kap_fake, reference.kap), ("osk", _osk_fake, _osk_cpu), ("prefill", _prefill_fake, _prefill_cpu))
+
+
+def schema_mismatch() -> str | None:
+    """Why the loaded cosa._C cannot serve these sources (its op schemas name other arguments than
+    this file's kernels take: an extension built from older or newer sources), or None."""
+    for name, fake, _ in _KERNELS:
+        built = [argument.name for argument in getattr(torch.ops.cosa, name).default._schema.arguments]
+        expected = list(inspect.signature(fake).parameters)
+        if built != expected:
+            return (f"its cosa::{name} takes ({', '.join(built)}), these sources call it with "
+                    f"({', '.join(expected)})")
+    return None
+
+
 def register():
     """Attach the fake and CPU kernels to the schemas that cosa._C declared."""
-    for name, fake, cpu in (("kap", _kap_fake, reference.kap), ("osk", _osk_fake, _osk_cpu),
-                            ("prefill", _prefill_fake, _prefill_cpu)):
+    for name, fake, cpu in _KERNELS:
         torch.library.register_fake(f"cosa::{name}")(_contract_first(name, fake, fake=True))
         torch.library.register_kernel(f"cosa::{name}", "cpu")(_contract_first(name, cpu))
 
 
-__all__ = ["register"]
+__all__ = ["register", "schema_mismatch"]

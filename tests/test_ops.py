@@ -468,3 +468,20 @@ def test_sparse_attention_does_not_synchronise(ops):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert cosa.device_checks_enabled()
+
+
+def test_an_extension_built_from_other_sources_is_named(ops, monkeypatch):
+    """cosa refuses a compiled extension whose schemas differ from what these sources call (a stale
+    install serving a newer tree), naming the op and both argument lists."""
+    from cosa import ops as cosa_ops
+
+    assert cosa_ops.schema_mismatch() is None
+
+    def newer_kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, stride, top_p,
+                  softmax_scale, proxy_precision, an_argument_from_the_future):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(cosa_ops, "_KERNELS", ((("kap", newer_kap, None)),))
+    message = cosa_ops.schema_mismatch()
+    assert message is not None and message.startswith("its cosa::kap takes (q, k_cache,")
+    assert "an_argument_from_the_future" in message
