@@ -48,19 +48,27 @@ Tasks that dense attention itself fails at a length (mean score below ``--min-de
 tell the sparse methods apart: with ``--drop-failed-tasks`` (the default) dense runs every task of a
 length first, and the failed tasks are reported and not run by the other methods at that length.
 
+A long evaluation can be split over several sessions: ``--time-limit S`` stops it between two prompts
+after S seconds, saving what it has (``complete: false`` in the JSON), and ``--resume FILE`` continues
+that file with the same configuration, keeping its finished prompts (each session is listed under
+``sessions``).
+
     python bench/accuracy.py --model DIR|FILE.gguf [--lengths 8192 16384 32768] [--samples 50]
         [--tasks ...] [--methods dense,cosa,kap,kap-ascending,xattention,flexprefill,meanpool]
-        [--match stage1,none] [--haystack-dir DIR] [--ppl-samples 8] [--plot] [--out bench/results]
+        [--match stage1,none] [--haystack-dir DIR] [--ppl-samples 8] [--time-limit S] [--resume FILE]
+        [--plot] [--out bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import re
 import string
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -68,7 +76,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (add_run_arguments, argument_parser, bootstrap_interval, format_table,  # noqa: E402
-                    paired_difference, progress, resolve_device, save_figure, start_run, write_json)
+                    paired_difference, progress, resolve_device, run_metadata, save_figure, start_run, write_json)
 
 import cosa  # noqa: E402
 import proxies  # noqa: E402
@@ -418,8 +426,25 @@ def tail_nll(model, ids: list[int]) -> tuple[float, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path) -> dict:
-    """Runs every arm on every prompt and perplexity window; returns the results payload."""
+class OutOfTime(Exception):
+    """--time-limit was reached between two prompts."""
+
+
+def load_resumed(path: Path, args, name: str) -> dict:
+    """The results file of an earlier run of the same configuration, to be continued in place."""
+    earlier = json.loads(path.read_text())
+    mine = {**config_of(args), "model": name}
+    theirs = {**earlier.get("config", {}), "model": earlier.get("model")}
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differ:
+        raise SystemExit(f"--resume {path}: that run's configuration differs in {', '.join(differ)}")
+    return earlier
+
+
+def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, resumed: dict | None = None) -> dict:
+    """Runs every arm on every prompt and perplexity window; returns the results payload, with
+    ``complete`` False when --time-limit stopped it between two prompts. ``resumed``: an earlier
+    payload of the same configuration, whose finished prompts are kept and not run again."""
     from tqdm.auto import tqdm
 
     runner = Runner(model, args)
@@ -429,22 +454,42 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path) -> 
     judge_tasks = args.drop_failed_tasks and ("dense", None) in arms
     if args.drop_failed_tasks and not judge_tasks:
         progress("dense does not run: no task is judged or dropped")
-    samples: list[dict] = []
-    ppl_rows: list[dict] = []
-    dropped: list[dict] = []
+    samples: list[dict] = list(resumed["samples"]) if resumed else []
+    ppl_rows: list[dict] = list(resumed["ppl"]) if resumed else []
+    dropped: list[dict] = list(resumed["dropped"]) if resumed else []
+    sessions = list(resumed.get("sessions", [])) if resumed else []
+    sessions.append({"commit": meta["commit"], "date": meta["date"]})
+    header = {**(resumed or meta), "sessions": sessions}
+    for key in ("scores", "summary", "complete"):
+        header.pop(key, None)
+    deadline = math.inf if args.time_limit is None else time.monotonic() + args.time_limit
     total = len(args.lengths) * (len(args.tasks) * args.samples + args.ppl_samples) * len(arms)
     bar = tqdm(total=total, desc="accuracy", file=sys.stderr, dynamic_ncols=True)
+    bar.update(len(samples) + len(ppl_rows))
 
-    def save(final=False):
-        payload = {**meta, "model": name, "config": config_of(args), "samples": samples, "ppl": ppl_rows,
-                   "dropped": dropped}
+    def save(final=False, complete=False):
+        payload = {**header, "model": name, "config": config_of(args), "samples": samples, "ppl": ppl_rows,
+                   "dropped": dropped, "complete": complete}
         if final:
             payload["scores"], payload["summary"] = aggregate(samples, ppl_rows, dropped, args.bootstrap, args.seed)
         write_json(json_path, payload)
         return payload
 
-    def answer_task(n, task, s, prompt, arms_here):
-        ids, answers = prompt
+    def next_prompt():
+        if time.monotonic() > deadline:
+            raise OutOfTime
+
+    def answer_task(n, task, s, make_prompt, arms_here):
+        """Every arm of ``arms_here`` on one prompt, unless an earlier session answered them all
+        (a prompt's arms run together: the matched peers need CoSA's lists of the same prompt)."""
+        mine = [i for i, r in enumerate(samples) if (r["n"], r["task"], r["sample"]) == (n, task, s)
+                and (r["method"], r["match"]) in arms_here]
+        if len(mine) == len(arms_here):
+            return
+        for i in reversed(mine):  # a prompt left half done is answered again
+            del samples[i]
+        next_prompt()
+        ids, answers = make_prompt()
         runner.new_prompt()
         for method, match in arms_here:
             bar.set_postfix_str(f"n={n} {task} #{s} {method}" + (f" ({match})" if match else ""))
@@ -454,44 +499,56 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path) -> 
                             **budgets})
             bar.update(1)
 
-    for n in args.lengths:
-        prompts: dict = {}  # one length's prompts, built once for dense and the sparse methods
+    try:
+        for n in args.lengths:
+            prompts: dict = {}  # one length's prompts, built once for dense and the sparse methods
 
-        def prompt(task, s):
-            if (task, s) not in prompts:
-                prompts[task, s] = build_prompt(tokenizer, task, n, args.seed + s, sentences)
-            return prompts[task, s]
+            def prompt(task, s):
+                if (task, s) not in prompts:
+                    prompts[task, s] = build_prompt(tokenizer, task, n, args.seed + s, sentences)
+                return prompts[task, s]
 
-        kept = list(args.tasks)
-        if judge_tasks:
-            for task in args.tasks:
+            kept = list(args.tasks)
+            if judge_tasks:
+                for task in args.tasks:
+                    for s in range(args.samples):
+                        answer_task(n, task, s, lambda: prompt(task, s), [("dense", None)])
+                    save()
+                failed = dropped_tasks(samples, n, args.min_dense_score, args.bootstrap, args.seed)
+                if not any(row["n"] == n for row in dropped):  # a resumed run judged this length already
+                    for row in failed:
+                        progress(f"n={n}: {row['task']} dropped, dense scores {interval_text(row, 'score')} "
+                                 f"< {args.min_dense_score:g}")
+                    dropped += failed
+                kept = [t for t in args.tasks if t not in {row["task"] for row in failed}]
+                bar.total -= len(failed) * args.samples * len(sparse_arms)
+                bar.refresh()
+            for task in kept:
                 for s in range(args.samples):
-                    answer_task(n, task, s, prompt(task, s), [("dense", None)])
+                    answer_task(n, task, s, lambda: prompt(task, s), sparse_arms if judge_tasks else arms)
                 save()
-            failed = dropped_tasks(samples, n, args.min_dense_score, args.bootstrap, args.seed)
-            for row in failed:
-                progress(f"n={n}: {row['task']} dropped, dense scores {interval_text(row, 'score')} "
-                         f"< {args.min_dense_score:g}")
-            dropped += failed
-            kept = [t for t in args.tasks if t not in {row["task"] for row in failed}]
-            bar.total -= len(failed) * args.samples * len(sparse_arms)
-            bar.refresh()
-        for task in kept:
-            for s in range(args.samples):
-                answer_task(n, task, s, prompt(task, s), sparse_arms if judge_tasks else arms)
-            save()
-        for s in range(args.ppl_samples):
-            ids = haystack_token_ids(tokenizer, args.ppl_dir or args.haystack_dir, n, seed=args.seed + 1000 + s)
-            runner.new_prompt()
-            for method, match in arms:
-                bar.set_postfix_str(f"n={n} ppl #{s} {method}" + (f" ({match})" if match else ""))
-                (nll, count), budgets = runner.run(method, match, lambda: tail_nll(model, ids))
-                ppl_rows.append({"method": method, "match": match, "n": n, "sample": s, "nll": nll, "tokens": count,
-                                 "ppl": math.exp(nll / count), **budgets})
-                bar.update(1)
-            save()
+            for s in range(args.ppl_samples):
+                if all(any((r["method"], r["match"], r["n"], r["sample"]) == (method, match, n, s) for r in ppl_rows)
+                       for method, match in arms):
+                    continue
+                ppl_rows[:] = [r for r in ppl_rows if (r["n"], r["sample"]) != (n, s)]
+                next_prompt()
+                ids = haystack_token_ids(tokenizer, args.ppl_dir or args.haystack_dir, n, seed=args.seed + 1000 + s)
+                runner.new_prompt()
+                for method, match in arms:
+                    bar.set_postfix_str(f"n={n} ppl #{s} {method}" + (f" ({match})" if match else ""))
+                    (nll, count), budgets = runner.run(method, match, lambda: tail_nll(model, ids))
+                    ppl_rows.append({"method": method, "match": match, "n": n, "sample": s, "nll": nll, "tokens": count,
+                                     "ppl": math.exp(nll / count), **budgets})
+                    bar.update(1)
+                save()
+    except OutOfTime:
+        bar.close()
+        progress(f"--time-limit {args.time_limit:g} s reached: {len(samples)} answers and {len(ppl_rows)} perplexity "
+                 f"windows so far")
+        return save()
     bar.close()
-    return save(final=True)
+    return save(final=True, complete=True)
 
 
 def dropped_tasks(samples: list[dict], n: int, min_score: float, resamples: int, seed: int) -> list[dict]:
@@ -733,6 +790,12 @@ def parse_args(argv=None):
                    help="the dense mean score a task needs at a length to stay in (default 0.5)")
     p.add_argument("--bootstrap", type=int, default=2000,
                    help="bootstrap resamples of every interval (default 2000)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds after which the run stops between two prompts, saving what it has "
+                        "(continue it with --resume)")
+    p.add_argument("--resume", default=None,
+                   help="the results JSON of a stopped run of the same configuration: its finished prompts "
+                        "are kept, the rest run, and the file is completed in place")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                    help="dtype of the model's weights and activations (default bfloat16)")
     add_run_arguments(p)
@@ -757,11 +820,18 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    meta, json_path = start_run(args.out, "accuracy")
+    meta, json_path = start_run(args.out, "accuracy") if not args.resume else (run_metadata(), Path(args.resume))
     progress(f"loading {args.model}")
     model, tokenizer, name = load_model(args.model, args.device, getattr(torch, args.dtype))
     progress(f"{name}: {model.config.num_hidden_layers} layers, {model.config.num_attention_heads} query heads")
-    results = evaluate(args, model, tokenizer, name, meta, json_path)
+    resumed = load_resumed(json_path, args, name) if args.resume else None
+    if resumed:
+        progress(f"resuming {json_path}: {len(resumed['samples'])} answers and {len(resumed['ppl'])} perplexity "
+                 "windows done")
+    results = evaluate(args, model, tokenizer, name, meta, json_path, resumed)
+    if not results["complete"]:
+        print(f"stopped at --time-limit; continue with --resume {json_path}")
+        return 0
     if args.plot and results["summary"]:
         png = json_path.with_suffix(".png")
         progress(f"plot -> {png}" if plot(results["summary"], png) else "no plot: matplotlib is not installed")

@@ -646,3 +646,43 @@ def test_layers_speedups_summary_and_results(tmp_path):
     assert [s["impl"] for s in data["summary"]] == list(summary)
     if HAS_MATPLOTLIB:
         assert layers.plot(rows, path.with_suffix(".png"), "tiny") and path.with_suffix(".png").exists()
+
+
+def test_accuracy_resumes_a_stopped_run(tmp_path, tiny_model_dir):
+    """A run stopped by --time-limit and continued with --resume ends with the answers of one
+    uninterrupted run; a prompt left half done is answered again, and a changed configuration refused."""
+    argv = ["--lengths", "512", "--samples", "2", "--ppl-samples", "1", "--methods", "dense,cosa,xattention",
+            "--tasks", "niah_single,vt", "--no-drop-failed-tasks"]
+    whole = accuracy_run(tmp_path / "whole", tiny_model_dir, *argv)
+    assert whole["complete"] and len(whole["sessions"]) == 1
+
+    stopped = accuracy_run(tmp_path / "split", tiny_model_dir, *argv, "--time-limit", "0")
+    assert stopped["complete"] is False and stopped["samples"] == [] and "scores" not in stopped
+    path = next((tmp_path / "split").glob("accuracy-*.json"))
+    # As if a session had stopped inside a prompt: the last answers of one prompt and a window gone.
+    earlier = [{**r, "answer": "from the earlier session"} for r in whole["samples"][:-1]]
+    partial = {**whole, "samples": earlier, "ppl": whole["ppl"][:-1], "complete": False}
+    path.write_text(json.dumps(partial))
+    rc = accuracy.main(["--model", str(tiny_model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3",
+                        "--device", "cpu", "--bootstrap", "200", "--resume", str(path), *argv])
+    assert rc == 0
+    resumed = json.loads(path.read_text())
+    assert resumed["complete"] and len(resumed["sessions"]) == 2
+    # Finished prompts were kept, not answered again; the half-done last prompt was answered anew.
+    last = whole["samples"][-1]
+    redone = [r for r in resumed["samples"] if (r["task"], r["sample"]) == (last["task"], last["sample"])]
+    assert len(redone) == 3 and all(r["answer"] != "from the earlier session" for r in redone)
+    assert all(r["answer"] == "from the earlier session" for r in resumed["samples"] if r not in redone)
+
+    def key(r):
+        return r["method"], r["match"] or "", r["n"], r.get("task", ""), r["sample"]
+
+    for field in ("samples", "ppl"):
+        got = sorted(resumed[field], key=key)
+        want = sorted(whole[field], key=key)
+        assert [key(r) for r in got] == [key(r) for r in want]
+        assert [r.get("score", r.get("nll")) for r in got] == pytest.approx([r.get("score", r.get("nll")) for r in want])
+    with pytest.raises(SystemExit, match="differs in samples"):
+        accuracy.main(["--model", str(tiny_model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3",
+                       "--device", "cpu", "--bootstrap", "200", "--resume", str(path),
+                       *[a if a != "2" else "3" for a in argv]])
