@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from common import (REPO_ROOT, argument_parser, finish_report, format_table, pro
                     save_figure, start_run, time_ms, write_json)
 from kernel import (BLOCK, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense, guarded,  # noqa: E402
                     load_fa4, one_line, reference_rows, rows_of, sdpa)
+import proxies  # noqa: E402
 
 # cosa.prefill's keyword arguments of each CoSA row, over the wrapper's defaults.
 COSA_VARIANTS = {"cosa": {}, "cosa-noskip": {"delta": 0.0}, "cosa-tile": {"vote": "tile"},
@@ -113,39 +113,6 @@ def capture_layers(model_path: str, haystack: str, n: int, layers: list[int] | N
 def checked_blocks(nq: int, count: int = CHECKED_BLOCKS) -> list[int]:
     """``count`` query blocks spread evenly from the first to the last."""
     return sorted({round(i * (nq - 1) / max(1, count - 1)) for i in range(count)})
-
-
-def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, rows_per_chunk: int = 1024) -> torch.Tensor:
-    """Exact causal attention mass per (query head, query block, key block), float32
-    ``[Hq, nq, nk]``: for each query row the softmax over its keys summed per 128-key block, averaged
-    over the rows of its query block (one sequence, no prefix; q ``[N, Hq, d]``, k ``[N, Hkv, d]``)."""
-    n, hq, _ = q.shape
-    group = hq // k.shape[1]
-    nq = -(-n // BLOCK)
-    pad = nq * BLOCK - n
-    mass = torch.zeros(hq, nq, nq, device=q.device)
-    keys = torch.arange(n, device=q.device)
-    for h in range(hq):
-        kh = k[:, h // group].float()
-        for start in range(0, n, rows_per_chunk):
-            rows = torch.arange(start, min(n, start + rows_per_chunk), device=q.device)
-            logits = (q[rows, h].float() @ kh.T) * scale
-            logits.masked_fill_(keys[None, :] > rows[:, None], -math.inf)
-            p = torch.nn.functional.pad(torch.softmax(logits, -1), (0, pad))
-            per_block = p.reshape(len(rows), nq, BLOCK).sum(-1)  # [rows, nk]
-            mass[h].index_add_(0, rows // BLOCK, per_block)
-    sizes = torch.full((nq,), float(BLOCK), device=q.device)
-    sizes[-1] = n - (nq - 1) * BLOCK
-    return mass / sizes[None, :, None]
-
-
-def kept_mask(order: torch.Tensor, counts: torch.Tensor, nk: int) -> torch.Tensor:
-    """bool ``[Hq, nq, nk]``: the blocks of each list (the first ``counts`` entries of its row)."""
-    hq, nq = counts.shape
-    listed = torch.arange(order.shape[-1], device=order.device)[None, None, :] < counts[..., None]
-    mask = torch.zeros(hq, nq, nk + 1, dtype=torch.bool, device=order.device)
-    mask.scatter_(-1, torch.where(listed, order.long(), nk)[:, :nq], True)
-    return mask[..., :nk]
 
 
 def errors(out_rows: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -252,12 +219,12 @@ class LayerRun:
             self.add(layer, "kap" if precision == "native" else f"kap-{precision}", time_ms(run), check,
                      stage1=stage1, realised=None)
             lists[precision] = (order, counts)
-        mass = block_attention_mass(s.q, s.k, scale if scale is not None else s.q.shape[-1] ** -0.5)
-        kept = {precision: kept_mask(*lists[precision], mass.shape[-1]) for precision in lists}
+        mass = proxies.oracle_mass(s.q, s.k, scale)
+        kept = {precision: proxies.lists_to_mask(*lists[precision]) for precision in lists}
         union = int((kept["native"] | kept["fp8"]).sum())
         comparison = {"iou_vs_native": int((kept["native"] & kept["fp8"]).sum()) / max(union, 1),
-                      "mass_native": float((mass * kept["native"]).sum(-1).mean()),
-                      "mass_fp8": float((mass * kept["fp8"]).sum(-1).mean())}
+                      "mass_native": proxies.mask_metrics(kept["native"], kept["native"], mass)["mass"],
+                      "mass_fp8": proxies.mask_metrics(kept["fp8"], kept["native"], mass)["mass"]}
         self.rows[-1].update(comparison)
         progress(f"  layer {layer} kap-fp8 against kap: IoU {comparison['iou_vs_native']:.4f}, attention mass "
                  f"kept {100 * comparison['mass_native']:.2f}% (native) / {100 * comparison['mass_fp8']:.2f}% (fp8)")

@@ -9,6 +9,8 @@ prefixes, GQA ratios 1/4/8, page sizes 16..256, head dims 64/128, both dtypes, t
 rows, determinism and CUDA-graph capture."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ from cosa import reference as R
 from cosa.testing import random_problem
 
 import helpers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import proxies  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -236,14 +241,7 @@ FP8_TOL = 3e-3
 
 
 def kept_set_iou(order, counts, ref_order, ref_counts):
-    hq, nqb, nk = order.shape
-
-    def kept(o, c):
-        listed = torch.arange(nk, device=o.device)[None, None, :] < c[..., None]
-        mask = torch.zeros(hq, nqb, nk + 1, dtype=torch.bool, device=o.device)
-        return mask.scatter_(-1, torch.where(listed, o.long(), nk), True)[..., :nk]
-
-    a, b = kept(order, counts), kept(ref_order, ref_counts)
+    a, b = proxies.lists_to_mask(order, counts), proxies.lists_to_mask(ref_order, ref_counts)
     return float((a & b).sum() / (a | b).sum())
 
 
