@@ -48,10 +48,10 @@ Tasks that dense attention itself fails at a length (mean score below ``--min-de
 tell the sparse methods apart: with ``--drop-failed-tasks`` (the default) dense runs every task of a
 length first, and the failed tasks are reported and not run by the other methods at that length.
 
-A long evaluation can be split over several sessions: ``--time-limit S`` stops it between two prompts
+A long evaluation can be split over several runs: ``--time-limit S`` stops it between two prompts
 after S seconds, saving what it has (``complete: false`` in the JSON), and ``--resume FILE`` continues
-that file with the same configuration, keeping its finished prompts (each session is listed under
-``sessions``).
+that file with the same configuration, keeping its finished prompts (each run is listed under
+``runs``).
 
     python bench/accuracy.py --model DIR|FILE.gguf [--lengths 8192 16384 32768] [--samples 50]
         [--tasks ...] [--methods dense,cosa,kap,kap-ascending,xattention,flexprefill,meanpool]
@@ -457,9 +457,9 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
     samples: list[dict] = list(resumed["samples"]) if resumed else []
     ppl_rows: list[dict] = list(resumed["ppl"]) if resumed else []
     dropped: list[dict] = list(resumed["dropped"]) if resumed else []
-    sessions = list(resumed.get("sessions", [])) if resumed else []
-    sessions.append({"commit": meta["commit"], "date": meta["date"]})
-    header = {**(resumed or meta), "sessions": sessions}
+    runs = list(resumed.get("runs", [])) if resumed else []
+    runs.append({"commit": meta["commit"], "date": meta["date"]})
+    header = {**(resumed or meta), "runs": runs}
     for key in ("scores", "summary", "complete"):
         header.pop(key, None)
     deadline = math.inf if args.time_limit is None else time.monotonic() + args.time_limit
@@ -480,7 +480,7 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
             raise OutOfTime
 
     def answer_task(n, task, s, make_prompt, arms_here):
-        """Every arm of ``arms_here`` on one prompt, unless an earlier session answered them all
+        """Every arm of ``arms_here`` on one prompt, unless an earlier run answered them all
         (a prompt's arms run together: the matched peers need CoSA's lists of the same prompt)."""
         mine = [i for i, r in enumerate(samples) if (r["n"], r["task"], r["sample"]) == (n, task, s)
                 and (r["method"], r["match"]) in arms_here]
@@ -815,6 +815,10 @@ def parse_args(argv=None):
         p.error("--match stage1 and realised need cosa among --methods")
     if args.samples < 1 or args.bootstrap < 1:
         p.error("--samples and --bootstrap must be at least 1")
+    if args.time_limit is not None and not args.time_limit >= 0:  # also rejects nan
+        p.error(f"--time-limit must be a number of seconds >= 0, got {args.time_limit}")
+    if args.resume is not None and not Path(args.resume).is_file():
+        p.error(f"--resume: {args.resume} is not a file (the results JSON of a stopped run)")
     return args
 
 

@@ -654,25 +654,25 @@ def test_accuracy_resumes_a_stopped_run(tmp_path, tiny_model_dir):
     argv = ["--lengths", "512", "--samples", "2", "--ppl-samples", "1", "--methods", "dense,cosa,xattention",
             "--tasks", "niah_single,vt", "--no-drop-failed-tasks"]
     whole = accuracy_run(tmp_path / "whole", tiny_model_dir, *argv)
-    assert whole["complete"] and len(whole["sessions"]) == 1
+    assert whole["complete"] and len(whole["runs"]) == 1
 
     stopped = accuracy_run(tmp_path / "split", tiny_model_dir, *argv, "--time-limit", "0")
     assert stopped["complete"] is False and stopped["samples"] == [] and "scores" not in stopped
     path = next((tmp_path / "split").glob("accuracy-*.json"))
-    # As if a session had stopped inside a prompt: the last answers of one prompt and a window gone.
-    earlier = [{**r, "answer": "from the earlier session"} for r in whole["samples"][:-1]]
+    # As if a run had stopped inside a prompt: the last answers of one prompt and a window gone.
+    earlier = [{**r, "answer": "from the earlier run"} for r in whole["samples"][:-1]]
     partial = {**whole, "samples": earlier, "ppl": whole["ppl"][:-1], "complete": False}
     path.write_text(json.dumps(partial))
     rc = accuracy.main(["--model", str(tiny_model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3",
                         "--device", "cpu", "--bootstrap", "200", "--resume", str(path), *argv])
     assert rc == 0
     resumed = json.loads(path.read_text())
-    assert resumed["complete"] and len(resumed["sessions"]) == 2
+    assert resumed["complete"] and len(resumed["runs"]) == 2
     # Finished prompts were kept, not answered again; the half-done last prompt was answered anew.
     last = whole["samples"][-1]
     redone = [r for r in resumed["samples"] if (r["task"], r["sample"]) == (last["task"], last["sample"])]
-    assert len(redone) == 3 and all(r["answer"] != "from the earlier session" for r in redone)
-    assert all(r["answer"] == "from the earlier session" for r in resumed["samples"] if r not in redone)
+    assert len(redone) == 3 and all(r["answer"] != "from the earlier run" for r in redone)
+    assert all(r["answer"] == "from the earlier run" for r in resumed["samples"] if r not in redone)
 
     def key(r):
         return r["method"], r["match"] or "", r["n"], r.get("task", ""), r["sample"]
@@ -686,3 +686,12 @@ def test_accuracy_resumes_a_stopped_run(tmp_path, tiny_model_dir):
         accuracy.main(["--model", str(tiny_model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3",
                        "--device", "cpu", "--bootstrap", "200", "--resume", str(path),
                        *[a if a != "2" else "3" for a in argv]])
+
+
+@pytest.mark.parametrize("flag,value,words", [("--time-limit", "-1", "--time-limit must be"),
+                                              ("--time-limit", "nan", "--time-limit must be"),
+                                              ("--resume", "no-such-file.json", "--resume: no-such-file.json is not a file")])
+def test_accuracy_refuses_a_bad_time_limit_or_resume_file(tiny_model_dir, capsys, flag, value, words):
+    with pytest.raises(SystemExit):
+        accuracy.parse_args(["--model", str(tiny_model_dir), "--device", "cpu", flag, value])
+    assert words in capsys.readouterr().err
