@@ -174,6 +174,9 @@ setup(
     install_requires=["torch"],
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
+    # vLLM loads every installed general plugin at start-up: this one only registers CoSA's backend
+    # in the CUSTOM slot (cosa/integrations/vllm_plugin.py), which an engine uses when asked to.
+    entry_points={"vllm.general_plugins": ["cosa = cosa.integrations.vllm_plugin:register"]},
     # The extension uses only the stable CPython ABI (its module init), so one wheel serves every
     # Python from 3.10 on; torch defines Py_LIMITED_API for py_limited_api extensions itself.
     options={"bdist_wheel": {"py_limited_api": "cp310"}},

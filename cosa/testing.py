@@ -56,16 +56,18 @@ def paged_kv(k, v, seqlens_k, page_size, shuffle=True, generator=None):
     return k_cache, v_cache, page_table.to(k.device)
 
 
-def _plant(q, k, q_pos, k_pos, structure, generator, scale_logit):
-    """Add the planted patterns to float32 q [Lq, Hq, d] and k [Lk, Hkv, d] of one sequence;
-    returns the needles planted, as (first key token, last key token, KV head)."""
+def plant_structure(q, k, q_pos, k_pos, structure, generator, scale_logit):
+    """Add the planted patterns to float32 q [Lq, Hq, d] and k [Lk, Hkv, d] of one sequence, in
+    place, on their device (``q_pos``, ``k_pos``: the positions, float32 on that device; the random
+    choices come from the CPU ``generator``); returns the needles planted, as (first key token, last
+    key token, KV head)."""
     d = q.shape[-1]
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     # A planted pair (a in q, b in k along one unit direction) adds a*b/sqrt(d) to the logit.
     amp = math.sqrt(scale_logit * math.sqrt(d))
     kinds = ("sinks", "band", "needles") if structure == "mixed" else (structure,)
-    dirs = torch.linalg.qr(torch.randn(d, d, generator=generator))[0].T  # orthonormal directions
+    dirs = torch.linalg.qr(torch.randn(d, d, generator=generator))[0].T.to(q.device)  # orthonormal directions
     next_dir = 0
     if "sinks" in kinds:
         u = dirs[next_dir]
@@ -119,7 +121,7 @@ def random_problem(seqlens_q, seqlens_k, num_heads_q, num_heads_kv, head_dim, pa
         if structure is not None:
             q_pos = torch.arange(lk - lq, lk, dtype=torch.float32)
             k_pos = torch.arange(lk, dtype=torch.float32)
-            needles += [(b, *needle) for needle in _plant(q, k, q_pos, k_pos, structure, gen, scale_logit)]
+            needles += [(b, *needle) for needle in plant_structure(q, k, q_pos, k_pos, structure, gen, scale_logit)]
         qs.append(q)
         ks.append(k)
         vs.append(v)

@@ -3,7 +3,8 @@
 and paired intervals), the dropping of tasks dense fails, and the methods' lists (stage-1 matching,
 the peers' own rules, KAP's lists in ascending order); the CPU pieces of
 bench/kernel.py (the FA4 peer's call, the anchors' columns, the skip accounting) and of
-bench/layers.py (arguments, the Q/K/V capture, one layer's rows with the timer stubbed, results)."""
+bench/layers.py (arguments, the Q/K/V capture, one layer's rows with the timer stubbed, results), of
+bench/long_context.py (the list agreement) and of bench/vllm_e2e.py (arguments, the rows of the two engines)."""
 
 import importlib.util
 import json
@@ -23,6 +24,8 @@ import e2e  # noqa: E402
 import fidelity  # noqa: E402
 import kernel  # noqa: E402
 import layers  # noqa: E402
+import long_context  # noqa: E402
+import vllm_e2e  # noqa: E402
 
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -695,3 +698,51 @@ def test_accuracy_refuses_a_bad_time_limit_or_resume_file(tiny_model_dir, capsys
     with pytest.raises(SystemExit):
         accuracy.parse_args(["--model", str(tiny_model_dir), "--device", "cpu", flag, value])
     assert words in capsys.readouterr().err
+
+
+
+def test_long_context_list_agreement():
+    order = torch.tensor([[[0, 2, -1], [1, 0, -1]]], dtype=torch.int32)
+    ref = torch.tensor([[[2, 0, -1], [1, 0, -1]]], dtype=torch.int32)
+    counts = torch.tensor([[2, 2]], dtype=torch.int32)
+    got = long_context.list_agreement(order, counts, ref, counts)
+    assert got["lists_identical"] == 0.5 and got["iou_mean"] == 1.0 and got["max_count_diff"] == 0
+    other = torch.tensor([[[0, -1, -1], [1, 0, -1]]], dtype=torch.int32)
+    got = long_context.list_agreement(other, torch.tensor([[1, 2]], dtype=torch.int32), ref, counts)
+    assert got["iou_min"] == 0.5 and got["max_count_diff"] == 1
+
+
+def test_long_context_arguments_and_no_gpu(capsys):
+    with pytest.raises(SystemExit):
+        long_context.main(["--n", "64"])
+    assert "at least 128" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exit_info:
+            long_context.main(["--n", "1024", "--check-n"])
+        assert exit_info.value.code == 2
+
+
+def test_vllm_e2e_arguments(tmp_path, capsys):
+    for bad, message in ((["--reps", "0"], "--reps"), (["--lengths", "0"], "positive"),
+                         (["--gpu-memory-utilization", "1.5"], "utilization")):
+        with pytest.raises(SystemExit):
+            vllm_e2e.parse_args(["--model", str(tmp_path), *bad])
+        assert message in capsys.readouterr().err
+
+
+def test_vllm_e2e_rows_compare_both_engines():
+    def engine(impl, texts, scores, ttft):
+        return {"impl": impl, "short": texts,
+                "needle": [{"n": 16384, "seed": i, "text": "x", "score": s} for i, s in enumerate(scores)],
+                "ttft": [{"n": 8192, "ttft_ms": ttft, "routing_before": None if impl == "flash_attn" else {"tokens": {"cosa": 10}},
+                          "routing_after": None if impl == "flash_attn" else {"tokens": {"cosa": 8202}}}]}
+
+    results = {("flash_attn", "main"): engine("flash_attn", ["a", "b"], [1.0, 1.0], 300.0),
+               ("cosa", "main"): engine("cosa", ["a", "b"], [1.0, 1.0], 200.0)}
+    rows, failures = vllm_e2e.compare(results)
+    assert not failures
+    ttft = [r for r in rows if r["kind"] == "vllm" and r["impl"] == "cosa"][0]
+    assert ttft["x_flash_attn"] == 1.5 and ttft["answers_match"] and ttft["cosa_tokens"] == 8192
+    results[("cosa", "main")] = engine("cosa", ["a", "c"], [1.0, 0.0], 200.0)
+    rows, failures = vllm_e2e.compare(results)
+    assert len(failures) == 2 and not [r for r in rows if r["kind"] == "vllm" and r["impl"] == "cosa"][0]["answers_match"]

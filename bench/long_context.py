@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""Long contexts: KAP's lists against the reference past 1024 key blocks, and CoSA prefill at
+512K-1M tokens with its time and peak memory.
+
+Synthetic inputs (``cosa.testing.plant_structure(structure="mixed")`` on random queries and keys:
+attention sinks, a local band and needles), generated on the GPU.
+
+- ``lists`` rows (``--check-n``, default 160K and 256K tokens, a few heads): ``cosa.kap`` against
+  ``cosa.reference.kap`` on the same input. Past 1024 key blocks KAP's select kernel takes its
+  one-CTA-per-list path; the rows give the share of lists identical to the reference's, the IoU of
+  the kept sets and the largest difference in list length.
+- ``prefill`` rows (``--n``, default 512K and 1M tokens; Hq 32, Hkv 8, d 128, bf16, page 128):
+  ``cosa.prefill`` with the defaults (device checks on), the KAP part alone, the stage-1 and
+  realised budgets, and the memory the call allocates beyond its inputs (``order`` alone is
+  ``4 * Hq * (N/128)^2`` bytes, 8 GiB at 1M tokens). The output rows of a sample of query blocks of
+  the first and the last query head are checked against attention over the same lists in float32
+  (the last head's lists sit past 2^31 elements of ``order`` at 1M tokens).
+- ``dense`` rows: cuDNN SDPA up to ``--dense-max`` tokens, for scale.
+
+    python bench/long_context.py [--n 524288 1048576] [--check-n 163840 262144] [--dense-max 524288]
+                                 [--plot] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, require_cuda, save_figure,  # noqa: E402
+                    start_run, write_json)
+
+BLOCK = 128
+PREFILL_SHAPE = {"hq": 32, "hkv": 8, "d": 128, "dtype": "bfloat16", "page_size": 128}
+CHECK_SHAPE = {"hq": 4, "hkv": 1, "d": 128, "dtype": "bfloat16", "page_size": 128}
+SCALE_LOGIT = 10.0  # the planted logits' size, as cosa.testing.random_problem plants them
+SAMPLED_BLOCKS = 16  # query blocks of each checked head compared with float32 attention
+TOLERANCE = 2e-2  # largest absolute error of a checked output row (bf16 output, skipped blocks)
+
+
+def structured_input(n: int, hq: int, hkv: int, d: int, seed: int):
+    """One sequence of n tokens, built on the GPU: q, k_cache, v_cache, page_table (pages in order)."""
+    import cosa.testing as testing
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn((n, hq, d), generator=gen, device="cuda")
+    k = torch.randn((n, hkv, d), generator=gen, device="cuda")
+    pos = torch.arange(n, dtype=torch.float32, device="cuda")
+    testing.plant_structure(q, k, pos, pos, "mixed", torch.Generator().manual_seed(seed), SCALE_LOGIT)
+    q = q.to(torch.bfloat16)
+    k = k.to(torch.bfloat16)
+    v = torch.randn((n, hkv, d), generator=gen, device="cuda", dtype=torch.bfloat16)
+    pages = math.ceil(n / BLOCK)
+    pad = pages * BLOCK - n
+    k_cache = F.pad(k, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK, hkv, d)
+    v_cache = F.pad(v, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK, hkv, d)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                page_table=torch.arange(pages, dtype=torch.int32, device="cuda")[None],
+                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device="cuda"),
+                seqused_k=torch.tensor([n], dtype=torch.int32, device="cuda"), max_seqlen_q=n, max_seqlen_k=n)
+
+
+def elapsed_ms(fn, reps: int) -> tuple[float, object]:
+    """Median of ``reps`` timed calls after one warm-up (CUDA events), and the last result."""
+    result = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], result
+
+
+def list_agreement(order, counts, ref_order, ref_counts) -> dict:
+    """Share of identical lists, mean IoU of the kept sets, and the largest count difference."""
+    hq, nq, nk = order.shape
+    same = (counts == ref_counts) & (order == ref_order).all(-1)
+    kept = torch.zeros((hq, nq, nk + 1), dtype=torch.bool, device=order.device)
+    kept_ref = torch.zeros_like(kept)
+    kept.scatter_(2, torch.where(order < 0, nk, order).long(), True)
+    kept_ref.scatter_(2, torch.where(ref_order < 0, nk, ref_order).long(), True)
+    kept, kept_ref = kept[..., :nk], kept_ref[..., :nk]
+    iou = (kept & kept_ref).sum(-1) / (kept | kept_ref).sum(-1).clamp(min=1)
+    return {"lists_identical": float(same.float().mean()), "iou_mean": float(iou.mean()),
+            "iou_min": float(iou.min()), "max_count_diff": int((counts - ref_counts).abs().max())}
+
+
+def check_lists(cosa, n: int, seed: int) -> dict:
+    from cosa import reference
+
+    shape = CHECK_SHAPE
+    p = structured_input(n, shape["hq"], shape["hkv"], shape["d"], seed)
+    args = [p[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k")]
+    ms, (order, counts) = elapsed_ms(lambda: cosa.kap(*args, n, n), reps=1)
+    ref_order, ref_counts = reference.kap(*args, n, n)
+    row = {"kind": "lists", "impl": "kap-vs-reference", "n": n, "key_blocks": math.ceil(n / BLOCK),
+           "kap_ms": ms, **list_agreement(order, counts, ref_order, ref_counts),
+           "stage1_budget": float(counts.float().mean() / ((math.ceil(n / BLOCK) + 1) / 2))}
+    row["ok"] = row["max_count_diff"] <= 1 and row["iou_min"] >= 0.9
+    return row
+
+
+def rows_over_lists(p, order, counts, head: int, blocks, scale: float) -> torch.Tensor:
+    """Float32 attention of query blocks ``blocks`` of ``head`` over their listed key blocks."""
+    group = p["q"].shape[1] // p["k_cache"].shape[2]
+    k = p["k_cache"].flatten(0, 1)[:, head // group].float()
+    v = p["v_cache"].flatten(0, 1)[:, head // group].float()
+    n = p["max_seqlen_q"]
+    outs = []
+    for i in blocks:
+        rows = torch.arange(i * BLOCK, min(n, (i + 1) * BLOCK), device="cuda")
+        listed = order[head, i, : int(counts[head, i])].long()
+        keys = (listed[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()
+        keys = keys[keys < n]
+        logits = (p["q"][rows, head].float() @ k[keys].T) * scale
+        logits = logits.masked_fill(keys[None, :] > rows[:, None], -math.inf)
+        outs.append(torch.softmax(logits, -1) @ v[keys])
+    return torch.cat(outs)
+
+
+def prefill_row(cosa, n: int, seed: int, reps: int) -> dict:
+    shape = PREFILL_SHAPE
+    progress(f"prefill {n}: building the input on the GPU")
+    p = structured_input(n, shape["hq"], shape["hkv"], shape["d"], seed)
+    inputs = ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k")
+    args = [p[name] for name in inputs] + [n, n]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    progress(f"prefill {n}: timing cosa.prefill ({reps} timed calls after one warm-up)")
+    ms, (out, stats) = elapsed_ms(lambda: cosa.prefill(*args, return_stats=True), reps)
+    peak_extra = torch.cuda.max_memory_allocated() - base
+    kap_args = [p[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k")] + [n, n]
+    kap_ms, _ = elapsed_ms(lambda: cosa.kap(*kap_args), reps)
+    scale = 1.0 / math.sqrt(shape["d"])
+    nq = math.ceil(n / BLOCK)
+    blocks = sorted({0, nq - 1, *torch.linspace(0, nq - 1, SAMPLED_BLOCKS).round().long().tolist()})
+    worst = 0.0
+    for head in (0, shape["hq"] - 1):
+        ref = rows_over_lists(p, stats["order"], stats["counts"], head, blocks, scale)
+        got = torch.cat([out[i * BLOCK: min(n, (i + 1) * BLOCK), head].float() for i in blocks])
+        worst = max(worst, float((got - ref).abs().max()))
+    row = {"kind": "prefill", "impl": "cosa", "n": n, "ms": ms, "kap_ms": kap_ms,
+           "kap_share": kap_ms / ms, "stage1_budget": stats["stage1_budget"],
+           "realised_budget": stats["realised_budget"], "peak_extra_gib": peak_extra / 2**30,
+           "order_gib": stats["order"].numel() * 4 / 2**30, "inputs_gib": base / 2**30,
+           "max_abs_err_sampled": worst, "ok": worst <= TOLERANCE and bool(torch.isfinite(out).all())}
+    del out, stats, p
+    return row
+
+
+def dense_row(n: int, seed: int, reps: int) -> dict:
+    shape = PREFILL_SHAPE
+    p = structured_input(n, shape["hq"], shape["hkv"], shape["d"], seed)
+    group = shape["hq"] // shape["hkv"]
+    q = p["q"].transpose(0, 1)[None]
+    k = p["k_cache"].flatten(0, 1)[:n].transpose(0, 1)[None].repeat_interleave(group, 1)
+    v = p["v_cache"].flatten(0, 1)[:n].transpose(0, 1)[None].repeat_interleave(group, 1)
+    del p
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    ms, _ = elapsed_ms(run, reps)
+    return {"kind": "dense", "impl": "sdpa-cudnn", "n": n, "ms": ms, "ok": True}
+
+
+def plot(rows, path) -> bool:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, impl, key in (("prefill", "cosa", "ms"), ("prefill", "cosa", "kap_ms"), ("dense", "sdpa-cudnn", "ms")):
+        pts = [(r["n"], r[key]) for r in rows if r["kind"] == kind and r["impl"] == impl and key in r]
+        if pts:
+            label = "KAP (part of CoSA)" if key == "kap_ms" else impl
+            ax_t.plot(*zip(*pts), marker="o", label=label)
+    ax_t.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms", title="prefill time (synthetic input)")
+    ax_t.legend()
+    pts = [(r["n"], r["peak_extra_gib"], r["order_gib"]) for r in rows if r["kind"] == "prefill"]
+    if pts:
+        ns, peak, order = zip(*pts)
+        ax_m.plot(ns, peak, marker="o", label="allocated by prefill")
+        ax_m.plot(ns, order, marker="s", label="of which the order lists")
+    ax_m.set(xscale="log", xlabel="tokens", ylabel="GiB", title="memory beyond the inputs")
+    ax_m.legend()
+    return save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    ap = argument_parser(__doc__)
+    ap.add_argument("--n", type=int, nargs="*", default=[524288, 1048576], help="prefill lengths")
+    ap.add_argument("--check-n", type=int, nargs="*", default=[163840, 262144],
+                    help="lengths at which KAP's lists are compared with the reference")
+    ap.add_argument("--dense-max", type=int, default=524288, help="time cuDNN dense up to this length")
+    ap.add_argument("--reps", type=int, default=2, help="timed calls per row (after one warm-up)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    for name in ("n", "check_n"):
+        if any(x < BLOCK for x in getattr(args, name)):
+            ap.error(f"--{name.replace('_', '-')} values must be at least {BLOCK}")
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    require_cuda("bench/long_context.py")
+    sys.path.insert(0, str(REPO_ROOT))
+    import cosa
+
+    if not cosa.cuda_kernels_available():
+        print(f"bench/long_context.py needs cosa's CUDA kernels (cosa._C: {cosa._C_IMPORT_ERROR or 'built without them'})",
+              file=sys.stderr)
+        return 2
+    meta, json_path = start_run(args.out, "long-context")
+    rows, failures = [], []
+
+    def save():
+        write_json(json_path, {**meta, "prefill_shape": PREFILL_SHAPE, "check_shape": CHECK_SHAPE,
+                               "input": "synthetic: random q, k, v with planted sinks, band and needles",
+                               "rows": rows})
+
+    steps = [("lists", n) for n in args.check_n] + [("prefill", n) for n in args.n] + \
+            [("dense", n) for n in args.n if n <= args.dense_max]
+    for kind, n in steps:
+        progress(f"{kind} at {n} tokens")
+        try:
+            if kind == "lists":
+                row = check_lists(cosa, n, args.seed)
+            elif kind == "prefill":
+                row = prefill_row(cosa, n, args.seed, args.reps)
+            else:
+                row = dense_row(n, args.seed, args.reps)
+        except torch.cuda.OutOfMemoryError as error:
+            row = {"kind": kind, "n": n, "ok": False, "error": f"out of memory: {str(error).splitlines()[0]}"}
+        if not row["ok"]:
+            failures.append(f"{kind} at {n}: {row.get('error', 'check failed')}")
+        rows.append(row)
+        save()
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.plot:
+        plot(rows, json_path.with_suffix(".png"))
+    columns = ["kind", "impl", "n", "ms", "kap_ms", "kap_share", "stage1_budget", "realised_budget",
+               "peak_extra_gib", "order_gib", "max_abs_err_sampled", "lists_identical", "iou_min",
+               "max_count_diff", "ok"]
+    print(format_table(rows, columns))
+    return finish_report(json_path, failures)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

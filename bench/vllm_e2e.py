@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""vLLM end to end: the same model served by vLLM with its FlashAttention backend and with CoSA's
+backend (``attention_backend="CUSTOM"``, registered by cosa's vLLM plugin), on the same prompts.
+
+Each engine runs in a subprocess of its own (in-process engine core, so that the backend's routing
+counts can be read), one after the other, with greedy decoding, prefix caching off and vLLM's
+default chunked prefill:
+
+- ``short``: chat prompts of a few dozen tokens, 48 new tokens each; the generations must be
+  identical (CoSA does not run there: it is the fallback path, decode CUDA graphs included);
+- ``needle``: single-needle haystack questions (bench/accuracy.py's ``niah_single``) at
+  ``--needle-lengths``; each answer is scored and compared with FlashAttention's;
+- ``ttft``: time to first token of one request (``max_tokens=1``) at ``--lengths``, the median of
+  ``--reps`` prompts after one warm-up prompt;
+- ``batch``: ``--batch`` needle prompts of mixed lengths submitted at once, which makes the
+  scheduler cut chunks at arbitrary token counts: the routing counts say how many long chunks
+  CoSA could not take because their prefix is not a multiple of 128.
+With ``--long-lengths`` a second pair of engines measures time to first token past the model's
+32K positions with YaRN rope scaling (``--yarn-factor``), as Qwen2.5 documents it.
+
+Rows: ``{"kind": "vllm", "impl": "cosa" | "flash_attn", "n", "ttft_ms", "answers_match"}`` and, for
+the other phases, ``kind`` ``vllm-short``, ``vllm-needle`` and ``vllm-batch``; the CoSA worker's
+routing counts are under ``routing``.
+
+    python bench/vllm_e2e.py --model DIR [--lengths 8192 16384 32000] [--needle-lengths 16384 30000]
+                             [--long-lengths 65536 131072] [--haystack DIR] [--plot] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, save_figure,  # noqa: E402
+                    start_run, write_json)
+
+IMPLS = {"flash_attn": "FLASH_ATTN", "cosa": "CUSTOM"}
+SHORT_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences what a hash table is.",
+    "What is the capital of France?",
+    "List three prime numbers greater than 100.",
+    "Translate 'good morning' into Spanish and German.",
+    "Write a SQL query that counts the rows of a table named users.",
+    "What does the 'yield' keyword do in Python?",
+    "Give one reason to use a paged KV cache when serving language models.",
+)
+SHORT_NEW_TOKENS = 48
+NEEDLE_NEW_TOKENS = 32
+NEEDLE_SAMPLES = 4
+
+
+def worker(args) -> int:
+    """One engine: every phase on it, the results as JSON in --result-file."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import accuracy
+
+    settings = {"min_prefill_tokens": args.min_prefill_tokens}
+    kwargs = dict(model=args.model, dtype="bfloat16", seed=0, enable_prefix_caching=False,
+                  gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=IMPLS[args.worker])
+    if args.worker == "cosa":
+        kwargs["additional_config"] = {"cosa": settings}
+    long_phase = args.phase == "long"
+    if long_phase:
+        kwargs["max_model_len"] = max(args.long_lengths) + 64
+        config = json.loads((Path(args.model) / "config.json").read_text())
+        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        kwargs["hf_overrides"] = {"rope_parameters": {
+            "rope_type": "yarn", "factor": args.yarn_factor, "rope_theta": theta,
+            "original_max_position_embeddings": config.get("max_position_embeddings", 32768)}}
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    result = {"impl": args.worker, "phase": args.phase, "startup_s": time.perf_counter() - started,
+              "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+              "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+              "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+    tokenizer = llm.get_tokenizer()
+    sentences = accuracy.haystack_sentences(args.haystack)
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
+    routing = None
+    if args.worker == "cosa":
+        from cosa.integrations import vllm_plugin as routing
+
+    def counts():
+        return routing.routing_counts() if routing else None
+
+    def generate(prompts, new_tokens):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], greedy(new_tokens),
+                            use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+
+    def ttft(n: int, seed: int) -> float:
+        ids = accuracy.haystack_token_ids(tokenizer, args.haystack, n, seed)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        generate([ids], 1)
+        return (time.perf_counter() - t0) * 1e3
+
+    lengths = args.long_lengths if long_phase else args.lengths
+    if not long_phase:
+        progress(f"{args.worker}: short prompts")
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in SHORT_PROMPTS]
+        result["short"] = generate([tokenizer.encode(c, add_special_tokens=False) for c in chats], SHORT_NEW_TOKENS)
+        result["needle"] = []
+        for n in args.needle_lengths:
+            progress(f"{args.worker}: needles at {n}")
+            prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, seed, sentences) for seed in range(NEEDLE_SAMPLES)]
+            texts = generate([ids for ids, _ in prompts], NEEDLE_NEW_TOKENS)
+            result["needle"] += [{"n": n, "seed": seed, "tokens": len(ids), "text": text,
+                                  "score": accuracy.score_answer(text, answers)}
+                                 for seed, ((ids, answers), text) in enumerate(zip(prompts, texts))]
+    result["ttft"] = []
+    for n in lengths:
+        progress(f"{args.worker}: time to first token at {n}")
+        ttft(n, seed=100)  # warm-up at this length
+        before = counts()
+        times = [ttft(n, seed=101 + rep) for rep in range(args.reps)]
+        result["ttft"].append({"n": n, "ttft_ms": statistics.median(times), "all_ms": times,
+                               "routing_before": before, "routing_after": counts()})
+    if not long_phase and args.batch:
+        progress(f"{args.worker}: a batch of {args.batch} mixed-length prompts")
+        if routing:
+            routing.ROUTING.reset()
+        n_max = max(args.lengths)
+        sizes = [int(n_max * (0.25 + 0.75 * i / max(1, args.batch - 1))) for i in range(args.batch)]
+        prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, 1000 + i, sentences) for i, n in enumerate(sizes)]
+        texts = generate([ids for ids, _ in prompts], NEEDLE_NEW_TOKENS)
+        result["batch"] = {"sizes": [len(ids) for ids, _ in prompts], "texts": texts,
+                           "scores": [accuracy.score_answer(t, a) for t, (_, a) in zip(texts, prompts)],
+                           "routing": counts()}
+    result["routing_total"] = counts()
+    Path(args.result_file).write_text(json.dumps(result))
+    return 0
+
+
+def run_worker(args, impl: str, phase: str) -> dict | str:
+    """The worker's results, or why it failed (its last output lines)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_file = f.name
+    cmd = [sys.executable, __file__, "--worker", impl, "--phase", phase, "--result-file", result_file,
+           "--model", args.model, "--lengths", *map(str, args.lengths), "--needle-lengths", *map(str, args.needle_lengths),
+           "--long-lengths", *map(str, args.long_lengths), "--reps", str(args.reps), "--batch", str(args.batch),
+           "--min-prefill-tokens", str(args.min_prefill_tokens), "--yarn-factor", str(args.yarn_factor),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.haystack:
+        cmd += ["--haystack", args.haystack]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    progress(f"engine {impl} ({phase}): starting")
+    log = Path(result_file).with_suffix(".log")
+    with open(log, "w") as out:
+        rc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    text = log.read_text(errors="replace")
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.log_dir) / f"vllm-{impl}-{phase}.log").write_text(text)
+    if rc != 0:
+        return f"exit status {rc}: " + " | ".join(text.strip().splitlines()[-6:])
+    return json.loads(Path(result_file).read_text())
+
+
+def compare(results: dict) -> tuple[list[dict], list[str]]:
+    """The rows of both engines' results and the failed checks."""
+    rows, failures = [], []
+    flash, cosa = results.get(("flash_attn", "main")), results.get(("cosa", "main"))
+    if isinstance(flash, dict) and isinstance(cosa, dict):
+        same = [a == b for a, b in zip(flash["short"], cosa["short"])]
+        rows.append({"kind": "vllm-short", "impl": "cosa", "n": len(same), "answers_match": all(same),
+                     "identical": sum(same)})
+        if not all(same):
+            failures.append(f"short prompts: {len(same) - sum(same)} of {len(same)} generations differ from FLASH_ATTN")
+        for n in sorted({s["n"] for s in flash["needle"]}):
+            f = [s for s in flash["needle"] if s["n"] == n]
+            c = [s for s in cosa["needle"] if s["n"] == n]
+            match = [a["score"] == b["score"] for a, b in zip(f, c)]
+            rows.append({"kind": "vllm-needle", "impl": "cosa", "n": n, "score": sum(s["score"] for s in c) / len(c),
+                         "score_flash": sum(s["score"] for s in f) / len(f), "answers_match": all(match),
+                         "same_text": sum(a["text"] == b["text"] for a, b in zip(f, c))})
+            if not all(match):
+                failures.append(f"needles at {n}: CoSA's answers score differently from FLASH_ATTN's")
+        if "batch" in cosa and "batch" in flash:
+            rows.append({"kind": "vllm-batch", "impl": "cosa", "n": len(cosa["batch"]["sizes"]),
+                         "score": sum(cosa["batch"]["scores"]) / len(cosa["batch"]["scores"]),
+                         "score_flash": sum(flash["batch"]["scores"]) / len(flash["batch"]["scores"]),
+                         "answers_match": cosa["batch"]["scores"] == flash["batch"]["scores"],
+                         "routing": cosa["batch"]["routing"]})
+    for phase in ("main", "long"):
+        base = results.get(("flash_attn", phase))
+        for impl in IMPLS:
+            res = results.get((impl, phase))
+            if not isinstance(res, dict):
+                continue
+            for t in res["ttft"]:
+                row = {"kind": "vllm", "impl": impl, "n": t["n"], "ttft_ms": t["ttft_ms"], "phase": phase}
+                if impl == "cosa" and isinstance(base, dict):
+                    flash_ms = {b["n"]: b["ttft_ms"] for b in base["ttft"]}.get(t["n"])
+                    row["x_flash_attn"] = flash_ms / t["ttft_ms"] if flash_ms else None
+                    row["answers_match"] = all(r.get("answers_match", True) for r in rows if r["kind"] != "vllm")
+                    before, after = t["routing_before"] or {}, t["routing_after"] or {}
+                    row["cosa_tokens"] = (after.get("tokens", {}).get("cosa", 0) -
+                                          before.get("tokens", {}).get("cosa", 0))
+                elif impl == "flash_attn":
+                    row["answers_match"] = True
+                rows.append(row)
+    return rows, failures
+
+
+def plot(rows, path) -> bool:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl in IMPLS:
+        pts = sorted((r["n"], r["ttft_ms"]) for r in rows if r["kind"] == "vllm" and r["impl"] == impl)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"vLLM {IMPLS[impl]}" + (" (CoSA)" if impl == "cosa" else ""))
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (ms)",
+           title="vLLM 1 request, greedy")
+    ax.legend()
+    return save_figure(fig, path)
+
+
+def parse_args(argv=None):
+    ap = argument_parser(__doc__)
+    ap.add_argument("--model", required=True, help="a model directory vLLM can load")
+    ap.add_argument("--lengths", type=int, nargs="*", default=[8192, 16384, 32000])
+    ap.add_argument("--needle-lengths", type=int, nargs="*", default=[16384, 30000])
+    ap.add_argument("--long-lengths", type=int, nargs="*", default=[],
+                    help="time-to-first-token lengths past 32K, run with YaRN rope scaling")
+    ap.add_argument("--yarn-factor", type=float, default=4.0)
+    ap.add_argument("--reps", type=int, default=3, help="timed prompts per length (default 3)")
+    ap.add_argument("--batch", type=int, default=8, help="prompts of the mixed-length batch (0: none)")
+    ap.add_argument("--min-prefill-tokens", type=int, default=4096, help="CoSA's min_prefill_tokens setting")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--haystack", default=None, help="folder of .txt essays for the prompts (default: synthetic filler)")
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--log-dir", default=None, help="keep each engine's log here")
+    ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    ap.add_argument("--worker", choices=list(IMPLS), help=argparse_hidden())
+    ap.add_argument("--phase", choices=("main", "long"), default="main", help=argparse_hidden())
+    ap.add_argument("--result-file", help=argparse_hidden())
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    if any(n < 1 for n in [*args.lengths, *args.needle_lengths, *args.long_lengths]):
+        ap.error("lengths must be positive")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        ap.error("--gpu-memory-utilization must be in (0, 1]")
+    return args
+
+
+def argparse_hidden():
+    import argparse
+    return argparse.SUPPRESS
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    try:
+        import vllm
+    except ImportError as error:
+        print(f"bench/vllm_e2e.py needs vLLM (pip install vllm==0.24.0): {error}", file=sys.stderr)
+        return 2
+    if not Path(args.model).is_dir():
+        print(f"--model {args.model} is not a directory", file=sys.stderr)
+        return 2
+    meta, json_path = start_run(args.out, "vllm")
+    meta["vllm"] = vllm.__version__
+    results, failures = {}, []
+    phases = ["main"] + (["long"] if args.long_lengths else [])
+    for phase in phases:
+        for impl in args.impls:
+            res = run_worker(args, impl, phase)
+            if isinstance(res, str):
+                failures.append(f"engine {impl} ({phase}): {res}")
+            results[(impl, phase)] = res
+            rows, check_failures = compare(results)
+            write_json(json_path, {**meta, "model": str(args.model), "rows": rows,
+                                   "engines": {f"{i}-{p}": r for (i, p), r in results.items()}})
+    rows, check_failures = compare(results)
+    failures += check_failures
+    if args.plot:
+        plot(rows, json_path.with_suffix(".png"))
+    print(format_table(rows, ["kind", "impl", "phase", "n", "ttft_ms", "x_flash_attn", "score", "score_flash",
+                              "answers_match", "cosa_tokens"]))
+    return finish_report(json_path, failures)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
