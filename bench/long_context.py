@@ -11,10 +11,11 @@ attention sinks, a local band and needles), generated on the GPU.
   the kept sets and the largest difference in list length.
 - ``prefill`` rows (``--n``, default 512K and 1M tokens; Hq 32, Hkv 8, d 128, bf16, page 128):
   ``cosa.prefill`` with the defaults (device checks on), the KAP part alone, the stage-1 and
-  realised budgets, and the memory the call allocates beyond its inputs (``order`` alone is
-  ``4 * Hq * (N/128)^2`` bytes, 8 GiB at 1M tokens). The output rows of a sample of query blocks of
-  the first and the last query head are checked against attention over the same lists in float32
-  (the last head's lists sit past 2^31 elements of ``order`` at 1M tokens).
+  realised budgets, and the memory one call allocates beyond its inputs (``out`` and ``order`` are
+  8 GiB each at 1M tokens; ``order`` grows with the square of the length). The output rows of a
+  sample of query blocks of the first and the last query head are checked against
+  ``cosa.reference.osk`` on the kernel's own lists (the last head's lists sit past 2^31 elements of
+  ``order`` at 1M tokens).
 - ``dense`` rows: cuDNN SDPA up to ``--dense-max`` tokens, for scale.
 
     python bench/long_context.py [--n 524288 1048576] [--check-n 163840 262144] [--dense-max 524288]
@@ -41,44 +42,45 @@ PREFILL_SHAPE = {"hq": 32, "hkv": 8, "d": 128, "dtype": "bfloat16", "page_size":
 CHECK_SHAPE = {"hq": 4, "hkv": 1, "d": 128, "dtype": "bfloat16", "page_size": 128}
 SCALE_LOGIT = 10.0  # the planted logits' size, as cosa.testing.random_problem plants them
 SAMPLED_BLOCKS = 16  # query blocks of each checked head compared with float32 attention
-TOLERANCE = 2e-2  # largest absolute error of a checked output row (bf16 output, skipped blocks)
+TOLERANCE = 2e-2  # largest absolute error of a checked output row against the reference (bf16 output)
 
 
-def structured_input(n: int, hq: int, hkv: int, d: int, seed: int):
-    """One sequence of n tokens, built on the GPU: q, k_cache, v_cache, page_table (pages in order)."""
+def structured_input(n: int, hq: int, hkv: int, d: int, seed: int, device: str = "cuda"):
+    """One sequence of n tokens, built on ``device``: q, k_cache, v_cache, page_table (pages in order)."""
     import cosa.testing as testing
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn((n, hq, d), generator=gen, device="cuda")
-    k = torch.randn((n, hkv, d), generator=gen, device="cuda")
-    pos = torch.arange(n, dtype=torch.float32, device="cuda")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn((n, hq, d), generator=gen, device=device)
+    k = torch.randn((n, hkv, d), generator=gen, device=device)
+    pos = torch.arange(n, dtype=torch.float32, device=device)
     testing.plant_structure(q, k, pos, pos, "mixed", torch.Generator().manual_seed(seed), SCALE_LOGIT)
     q = q.to(torch.bfloat16)
     k = k.to(torch.bfloat16)
-    v = torch.randn((n, hkv, d), generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn((n, hkv, d), generator=gen, device=device, dtype=torch.bfloat16)
     pages = math.ceil(n / BLOCK)
     pad = pages * BLOCK - n
     k_cache = F.pad(k, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK, hkv, d)
     v_cache = F.pad(v, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK, hkv, d)
     return dict(q=q, k_cache=k_cache, v_cache=v_cache,
-                page_table=torch.arange(pages, dtype=torch.int32, device="cuda")[None],
-                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device="cuda"),
-                seqused_k=torch.tensor([n], dtype=torch.int32, device="cuda"), max_seqlen_q=n, max_seqlen_k=n)
+                page_table=torch.arange(pages, dtype=torch.int32, device=device)[None],
+                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+                seqused_k=torch.tensor([n], dtype=torch.int32, device=device), max_seqlen_q=n, max_seqlen_k=n)
 
 
-def elapsed_ms(fn, reps: int) -> tuple[float, object]:
-    """Median of ``reps`` timed calls after one warm-up (CUDA events), and the last result."""
-    result = fn()
+def median_ms(fn, reps: int) -> float:
+    """Median of ``reps`` timed calls after one warm-up (CUDA events); no call's result outlives it,
+    so that each call allocates into the same free memory."""
+    fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        result = fn()
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], result
+    return sorted(times)[len(times) // 2]
 
 
 def list_agreement(order, counts, ref_order, ref_counts) -> dict:
@@ -101,7 +103,8 @@ def check_lists(cosa, n: int, seed: int) -> dict:
     shape = CHECK_SHAPE
     p = structured_input(n, shape["hq"], shape["hkv"], shape["d"], seed)
     args = [p[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k")]
-    ms, (order, counts) = elapsed_ms(lambda: cosa.kap(*args, n, n), reps=1)
+    ms = median_ms(lambda: cosa.kap(*args, n, n), reps=1)
+    order, counts = cosa.kap(*args, n, n)
     ref_order, ref_counts = reference.kap(*args, n, n)
     row = {"kind": "lists", "impl": "kap-vs-reference", "n": n, "key_blocks": math.ceil(n / BLOCK),
            "kap_ms": ms, **list_agreement(order, counts, ref_order, ref_counts),
@@ -110,51 +113,53 @@ def check_lists(cosa, n: int, seed: int) -> dict:
     return row
 
 
-def rows_over_lists(p, order, counts, head: int, blocks, scale: float) -> torch.Tensor:
-    """Float32 attention of query blocks ``blocks`` of ``head`` over their listed key blocks."""
-    group = p["q"].shape[1] // p["k_cache"].shape[2]
-    k = p["k_cache"].flatten(0, 1)[:, head // group].float()
-    v = p["v_cache"].flatten(0, 1)[:, head // group].float()
+def reference_blocks(cosa, p, order, counts, head: int, blocks) -> torch.Tensor:
+    """``cosa.reference.osk`` (float32, the skip included) on query blocks ``blocks`` of ``head``,
+    each a sequence of its own over the same cache and the kernel's lists: ``[rows, d]``."""
     n = p["max_seqlen_q"]
-    outs = []
-    for i in blocks:
-        rows = torch.arange(i * BLOCK, min(n, (i + 1) * BLOCK), device="cuda")
-        listed = order[head, i, : int(counts[head, i])].long()
-        keys = (listed[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()
-        keys = keys[keys < n]
-        logits = (p["q"][rows, head].float() @ k[keys].T) * scale
-        logits = logits.masked_fill(keys[None, :] > rows[:, None], -math.inf)
-        outs.append(torch.softmax(logits, -1) @ v[keys])
-    return torch.cat(outs)
+    group = p["q"].shape[1] // p["k_cache"].shape[2]
+    spans = [(i * BLOCK, min(n, (i + 1) * BLOCK)) for i in blocks]
+    q = torch.cat([p["q"][a:b, head: head + 1] for a, b in spans])
+    lens = [b - a for a, b in spans]
+    device = p["q"].device
+    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+    kv_head = slice(head // group, head // group + 1)
+    out, _, _ = cosa.reference.osk(
+        q, p["k_cache"][:, :, kv_head], p["v_cache"][:, :, kv_head], p["page_table"].expand(len(blocks), -1),
+        cu, torch.tensor([b for _, b in spans], dtype=torch.int32, device=device),
+        order[head: head + 1, blocks].contiguous(), counts[head: head + 1, blocks].contiguous(), BLOCK)
+    return out[:, 0]
 
 
 def prefill_row(cosa, n: int, seed: int, reps: int) -> dict:
     shape = PREFILL_SHAPE
     progress(f"prefill {n}: building the input on the GPU")
     p = structured_input(n, shape["hq"], shape["hkv"], shape["d"], seed)
-    inputs = ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k")
-    args = [p[name] for name in inputs] + [n, n]
-    torch.cuda.synchronize()
+    args = [p[name] for name in ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k")] + [n, n]
+    kap_args = [p[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k")] + [n, n]
+    progress(f"prefill {n}: timing cosa.prefill and cosa.kap ({reps} timed calls each after one warm-up)")
+    ms = median_ms(lambda: cosa.prefill(*args), reps)
+    kap_ms = median_ms(lambda: cosa.kap(*kap_args), reps)
+    # One more call alone, for the memory it allocates beyond its inputs (out, lse, the lists, workspace).
+    torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    progress(f"prefill {n}: timing cosa.prefill ({reps} timed calls after one warm-up)")
-    ms, (out, stats) = elapsed_ms(lambda: cosa.prefill(*args, return_stats=True), reps)
+    out, stats = cosa.prefill(*args, return_stats=True)
+    torch.cuda.synchronize()
     peak_extra = torch.cuda.max_memory_allocated() - base
-    kap_args = [p[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k")] + [n, n]
-    kap_ms, _ = elapsed_ms(lambda: cosa.kap(*kap_args), reps)
-    scale = 1.0 / math.sqrt(shape["d"])
     nq = math.ceil(n / BLOCK)
     blocks = sorted({0, nq - 1, *torch.linspace(0, nq - 1, SAMPLED_BLOCKS).round().long().tolist()})
     worst = 0.0
     for head in (0, shape["hq"] - 1):
-        ref = rows_over_lists(p, stats["order"], stats["counts"], head, blocks, scale)
-        got = torch.cat([out[i * BLOCK: min(n, (i + 1) * BLOCK), head].float() for i in blocks])
-        worst = max(worst, float((got - ref).abs().max()))
+        ref = reference_blocks(cosa, p, stats["order"], stats["counts"], head, blocks)
+        got = torch.cat([out[i * BLOCK: min(n, (i + 1) * BLOCK), head] for i in blocks])
+        worst = max(worst, float((got.float() - ref.float()).abs().max()))
     row = {"kind": "prefill", "impl": "cosa", "n": n, "ms": ms, "kap_ms": kap_ms,
            "kap_share": kap_ms / ms, "stage1_budget": stats["stage1_budget"],
            "realised_budget": stats["realised_budget"], "peak_extra_gib": peak_extra / 2**30,
-           "order_gib": stats["order"].numel() * 4 / 2**30, "inputs_gib": base / 2**30,
-           "max_abs_err_sampled": worst, "ok": worst <= TOLERANCE and bool(torch.isfinite(out).all())}
+           "out_gib": out.numel() * out.element_size() / 2**30, "order_gib": stats["order"].numel() * 4 / 2**30,
+           "inputs_gib": base / 2**30, "max_abs_err_sampled": worst,
+           "ok": worst <= TOLERANCE and bool(torch.isfinite(out).all())}
     del out, stats, p
     return row
 
@@ -172,7 +177,7 @@ def dense_row(n: int, seed: int, reps: int) -> dict:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    ms, _ = elapsed_ms(run, reps)
+    ms = median_ms(run, reps)
     return {"kind": "dense", "impl": "sdpa-cudnn", "n": n, "ms": ms, "ok": True}
 
 

@@ -23,7 +23,7 @@ the other phases, ``kind`` ``vllm-short``, ``vllm-needle`` and ``vllm-batch``; t
 routing counts are under ``routing``.
 
     python bench/vllm_e2e.py --model DIR [--lengths 8192 16384 32000] [--needle-lengths 16384 30000]
-                             [--long-lengths 65536 131072] [--haystack DIR] [--plot] [--out bench/results]
+                             [--long-lengths 65536 130000] [--haystack DIR] [--plot] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ def worker(args) -> int:
         kwargs["additional_config"] = {"cosa": settings}
     long_phase = args.phase == "long"
     if long_phase:
-        kwargs["max_model_len"] = max(args.long_lengths) + 64
         config = json.loads((Path(args.model) / "config.json").read_text())
         theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        kwargs["max_model_len"] = yarn_positions(args)
         kwargs["hf_overrides"] = {"rope_parameters": {
             "rope_type": "yarn", "factor": args.yarn_factor, "rope_theta": theta,
             "original_max_position_embeddings": config.get("max_position_embeddings", 32768)}}
@@ -142,6 +142,12 @@ def worker(args) -> int:
     result["routing_total"] = counts()
     Path(args.result_file).write_text(json.dumps(result))
     return 0
+
+
+def yarn_positions(args) -> int:
+    """The positions the model has with YaRN: its own times --yarn-factor."""
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 32768) * args.yarn_factor)
 
 
 def run_worker(args, impl: str, phase: str) -> dict | str:
@@ -237,7 +243,7 @@ def parse_args(argv=None):
     ap.add_argument("--lengths", type=int, nargs="*", default=[8192, 16384, 32000])
     ap.add_argument("--needle-lengths", type=int, nargs="*", default=[16384, 30000])
     ap.add_argument("--long-lengths", type=int, nargs="*", default=[],
-                    help="time-to-first-token lengths past 32K, run with YaRN rope scaling")
+                    help="time-to-first-token lengths past the model's positions, run with YaRN rope scaling")
     ap.add_argument("--yarn-factor", type=float, default=4.0)
     ap.add_argument("--reps", type=int, default=3, help="timed prompts per length (default 3)")
     ap.add_argument("--batch", type=int, default=8, help="prompts of the mixed-length batch (0: none)")
@@ -275,8 +281,12 @@ def main(argv=None) -> int:
     except ImportError as error:
         print(f"bench/vllm_e2e.py needs vLLM (pip install vllm==0.24.0): {error}", file=sys.stderr)
         return 2
-    if not Path(args.model).is_dir():
-        print(f"--model {args.model} is not a directory", file=sys.stderr)
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"--model {args.model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    if args.long_lengths and max(args.long_lengths) + 1 > yarn_positions(args):
+        print(f"--long-lengths: {max(args.long_lengths)} tokens and one new token exceed the {yarn_positions(args)} "
+              f"positions the model has with YaRN factor {args.yarn_factor}", file=sys.stderr)
         return 2
     meta, json_path = start_run(args.out, "vllm")
     meta["vllm"] = vllm.__version__

@@ -746,3 +746,19 @@ def test_vllm_e2e_rows_compare_both_engines():
     results[("cosa", "main")] = engine("cosa", ["a", "c"], [1.0, 0.0], 200.0)
     rows, failures = vllm_e2e.compare(results)
     assert len(failures) == 2 and not [r for r in rows if r["kind"] == "vllm" and r["impl"] == "cosa"][0]["answers_match"]
+
+
+def test_long_context_reference_blocks_are_the_reference_rows():
+    """The per-block sub-problems that check the kernel's output at long lengths give exactly the
+    rows of the reference run on the whole sequence."""
+    import cosa
+
+    n, hq = 700, 4
+    p = long_context.structured_input(n, hq, 2, 64, seed=3, device="cpu")
+    args = [p[name] for name in ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k")]
+    order, counts = cosa.reference.kap(p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"], n, n)
+    full, _, _ = cosa.reference.osk(*args, order, counts, n)
+    blocks = [0, 2, 5]
+    got = long_context.reference_blocks(cosa, p, order, counts, hq - 1, blocks)
+    expect = torch.cat([full[i * 128: min(n, (i + 1) * 128), hq - 1] for i in blocks])
+    assert torch.equal(got, expect)

@@ -3,13 +3,12 @@
 
 It extends vLLM's FlashAttention backend and keeps its KV cache (``[num_blocks, 2, block_size,
 Hkv, d]``, any block size vLLM allows: CoSA reads pages of 16 to 256 tokens), its cache writes and
-its CUDA graphs. The metadata builder moves decodes to the front of the batch, applies
-``vllm_plugin.route`` to the batch's host-side lengths, and builds FlashAttention's metadata for
-the requests before CoSA's run only; the attention call runs FlashAttention on those tokens and
-``torch.ops.cosa.prefill`` on the rest, straight over the paged cache and vLLM's block table.
-Batches without a long prefill (every decode step) are FlashAttention's metadata and call
-unchanged, so decode CUDA graphs (full graphs of uniform single-token batches) stay as they are;
-batches that hold a CoSA chunk run outside full graphs.
+its CUDA graphs. The metadata builder moves decodes to the front of the batch and cuts the batch
+into runs by ``vllm_plugin.route`` (on the batch's host-side lengths); the attention call makes one
+FlashAttention call per FlashAttention run and one ``torch.ops.cosa.prefill`` per CoSA run,
+straight over the paged cache and vLLM's block table. A batch without a long prefill (every decode
+step) keeps FlashAttention's own metadata and call, so decode CUDA graphs (full graphs of uniform
+single-token batches) stay as they are; batches that hold a CoSA run execute outside full graphs.
 
 Written against vLLM 0.24.0; README, "vLLM", lists what differs in later versions.
 """
@@ -17,6 +16,7 @@ Written against vLLM 0.24.0; README, "vLLM", lists what differs in later version
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from vllm.config import get_current_vllm_config, get_layers_from_vllm_config
@@ -36,8 +36,16 @@ SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
 
 @dataclass
-class CosaChunk:
-    """The requests CoSA runs in one step: tokens ``[token_start, token_stop)`` of the batch."""
+class FlashPart:
+    """Tokens ``[token_start, token_stop)`` of the batch, run by FlashAttention with ``metadata``."""
+    token_start: int
+    token_stop: int
+    metadata: FlashAttentionMetadata
+
+
+@dataclass
+class CosaPart:
+    """Tokens ``[token_start, token_stop)`` of the batch, run by CoSA: sequences packed back to back."""
     token_start: int
     token_stop: int
     cu_seqlens_q: torch.Tensor  # int32 [n + 1], from 0
@@ -49,10 +57,10 @@ class CosaChunk:
 
 @dataclass
 class CosaAttentionMetadata:
-    """FlashAttention's metadata for the requests it runs (None when CoSA runs all of them), and
-    CoSA's chunk (None in steps without a long prefill)."""
-    flash: FlashAttentionMetadata | None
-    cosa: CosaChunk | None
+    """``whole_batch``: FlashAttention's metadata of the whole batch, in steps without a CoSA run;
+    otherwise ``parts``, the batch's runs in token order."""
+    whole_batch: FlashAttentionMetadata | None
+    parts: tuple[FlashPart | CosaPart, ...] = ()
 
 
 def layer_unsupported_reason(impl: FlashAttentionImpl) -> str | None:
@@ -74,6 +82,38 @@ def layer_unsupported_reason(impl: FlashAttentionImpl) -> str | None:
     return None
 
 
+def split_batch(r: vllm_plugin.Route, common: CommonAttentionMetadata,
+                build_flash: Callable[[CommonAttentionMetadata], FlashAttentionMetadata]) -> tuple:
+    """The batch's runs as parts: a CosaPart per CoSA run, and a FlashPart per FlashAttention run
+    whose metadata ``build_flash`` makes from the run's own CommonAttentionMetadata. Device tensors
+    come from slices of the batch's, and small kernels, never from host copies."""
+    parts = []
+    starts = common.query_start_loc_cpu
+    for run in r.runs:
+        reqs = slice(run.first, run.stop)
+        # Offsets of the run's requests in its own tokens; a CoSA run's first request may start
+        # after its alignment piece (clamped to 0), a FlashAttention run's last may end early.
+        loc = common.query_start_loc[run.first: run.stop + 1] - run.token_start
+        if run.kind == "cosa":
+            parts.append(CosaPart(run.token_start, run.token_stop, loc.clamp_(min=0), common.seq_lens[reqs],
+                                  common.block_table_tensor[reqs], run.max_query_len, run.max_seq_len))
+            continue
+        kv = common.seq_lens[reqs]
+        loc_cpu = starts[run.first: run.stop + 1] - run.token_start
+        if run.last_kv_len is not None:
+            loc[-1:].fill_(run.token_stop - run.token_start)
+            loc_cpu[-1] = run.token_stop - run.token_start
+            kv = kv.clone()
+            kv[-1:].fill_(run.last_kv_len)
+        run_common = CommonAttentionMetadata(
+            query_start_loc=loc, query_start_loc_cpu=loc_cpu, seq_lens=kv, num_reqs=run.stop - run.first,
+            num_actual_tokens=run.token_stop - run.token_start, max_query_len=run.max_query_len,
+            max_seq_len=run.max_seq_len, block_table_tensor=common.block_table_tensor[reqs],
+            slot_mapping=common.slot_mapping[run.token_start: run.token_stop])
+        parts.append(FlashPart(run.token_start, run.token_stop, build_flash(run_common)))
+    return tuple(parts)
+
+
 class CosaMetadataBuilder(FlashAttentionMetadataBuilder):
     # Full CUDA graphs only for batches of single-token decodes, which are FlashAttention's alone.
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -81,7 +121,7 @@ class CosaMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # Decodes first, so that the long prefills CoSA takes end the batch.
+        # Decodes first: together they make one FlashAttention run, not one between every two prefills.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         self.settings = vllm_plugin.Settings.from_additional_config(vllm_config.additional_config)
         self._layers_supported: bool | None = None
@@ -109,28 +149,22 @@ class CosaMetadataBuilder(FlashAttentionMetadataBuilder):
         if seq_lens is None:
             seq_lens = common.seq_lens.cpu()
         seq_lens = seq_lens[:num_reqs]
-        if isinstance(common.causal, torch.Tensor) or not common.causal or common.mm_req_doc_ranges:
-            r = vllm_plugin.route(starts, seq_lens, self.settings.min_prefill_tokens, layers_supported=False)
-        else:
-            r = vllm_plugin.route(starts, seq_lens, self.settings.min_prefill_tokens, self._layers_are_supported())
-        vllm_plugin.ROUTING.add(r, starts)
-        if r.first == r.stop:
-            return CosaAttentionMetadata(super().build(common_prefix_len, common, fast_build), None)
+        plain_causal = not isinstance(common.causal, torch.Tensor) and common.causal and not common.mm_req_doc_ranges
+        r = vllm_plugin.route(starts, seq_lens, self.settings.min_prefill_tokens,
+                              layers_supported=plain_causal and self._layers_are_supported())
+        vllm_plugin.ROUTING.add(r)
+        if not r.uses_cosa:
+            return CosaAttentionMetadata(super().build(common_prefix_len, common, fast_build))
+        parts = split_batch(r, common, lambda run_common: self._build_flash_run(run_common, fast_build))
+        return CosaAttentionMetadata(None, parts)
 
-        q_lens = starts[1:] - starts[:-1]
-        flash = None
-        if r.first > 0:
-            head = common.unpadded(r.token_start, r.first).replace(
-                max_query_len=int(q_lens[: r.first].max()), max_seq_len=int(seq_lens[: r.first].max()),
-                seq_lens_cpu_upper_bound=seq_lens[: r.first])
-            flash = super().build(0, head, fast_build)
-        tail = slice(r.first, r.stop)
-        loc = common.query_start_loc[r.first: r.stop + 1]
-        chunk = CosaChunk(
-            token_start=r.token_start, token_stop=r.token_stop, cu_seqlens_q=loc - loc[:1],
-            seqused_k=common.seq_lens[tail], page_table=common.block_table_tensor[tail],
-            max_seqlen_q=int(q_lens[tail].max()), max_seqlen_k=int(seq_lens[tail].max()))
-        return CosaAttentionMetadata(flash, chunk)
+    def _build_flash_run(self, run_common: CommonAttentionMetadata, fast_build: bool) -> FlashAttentionMetadata:
+        metadata = super().build(0, run_common, fast_build)
+        if metadata.scheduler_metadata is not None:
+            # With full CUDA graphs on, FlashAttention's builder returns a view of one persistent
+            # buffer, which the next run's build would overwrite.
+            metadata.scheduler_metadata = metadata.scheduler_metadata.clone()
+        return metadata
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return False
@@ -148,25 +182,25 @@ class CosaAttentionImpl(FlashAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        if attn_metadata is None:  # vLLM's profiling run
-            return super().forward(layer, query, key, value, kv_cache, None, output, output_scale,
-                                   output_block_scale)
-        if attn_metadata.flash is not None:
-            super().forward(layer, query, key, value, kv_cache, attn_metadata.flash, output, output_scale,
-                            output_block_scale)
-        chunk = attn_metadata.cosa
-        if chunk is None:
-            return output
-        s = self.settings
+        if attn_metadata is None or attn_metadata.whole_batch is not None:
+            # vLLM's profiling run (None), or a step without a CoSA run: FlashAttention as it is.
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata and attn_metadata.whole_batch,
+                                   output, output_scale, output_block_scale)
         k_cache, v_cache = kv_cache.unbind(1)
-        rows = slice(chunk.token_start, chunk.token_stop)
-        # vLLM's metadata is right by construction: no content checks, so no host synchronisation.
-        with cosa.set_device_checks(False):
-            out = torch.ops.cosa.prefill(
-                query[rows], k_cache, v_cache, chunk.page_table, chunk.cu_seqlens_q, chunk.seqused_k,
-                chunk.max_seqlen_q, chunk.max_seqlen_k, stride=s.stride, top_p=s.top_p, softmax_scale=self.scale,
-                delta=s.delta, vote=s.vote, proxy_precision=s.proxy_precision)[0]
-        output[rows].copy_(out)
+        s = self.settings
+        for part in attn_metadata.parts:
+            rows = slice(part.token_start, part.token_stop)
+            if isinstance(part, FlashPart):
+                super().forward(layer, query[rows], key, value, kv_cache, part.metadata, output[rows],
+                                output_scale, output_block_scale)
+                continue
+            # vLLM's metadata is right by construction: no content checks, so no host synchronisation.
+            with cosa.set_device_checks(False):
+                out = torch.ops.cosa.prefill(
+                    query[rows], k_cache, v_cache, part.page_table, part.cu_seqlens_q, part.seqused_k,
+                    part.max_seqlen_q, part.max_seqlen_k, stride=s.stride, top_p=s.top_p, softmax_scale=self.scale,
+                    delta=s.delta, vote=s.vote, proxy_precision=s.proxy_precision)[0]
+            output[rows].copy_(out)
         return output
 
 

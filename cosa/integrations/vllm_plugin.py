@@ -8,22 +8,24 @@ It is used only where it is asked for::
     llm = LLM(model=path, attention_backend="CUSTOM",
               additional_config={"cosa": {"min_prefill_tokens": 4096, "top_p": 0.95}})
 
-The backend runs vLLM's FlashAttention for every request that CoSA does not take, and CoSA
-(``torch.ops.cosa.prefill``: KAP then OSK, over vLLM's paged KV cache and block table) for the
-long prefill chunks at the end of each batch. :func:`route` is the rule, kept free of vLLM so that
-it is tested without it. Each request of each step gets one reason:
+The backend runs CoSA (``torch.ops.cosa.prefill``: KAP then OSK, over vLLM's paged KV cache and
+block table) for long prefill chunks and vLLM's FlashAttention for everything else. :func:`route` is
+the rule, kept free of vLLM so that it is tested without it. Each request of each step gets one
+reason:
 
-- ``cosa``: a prefill chunk of at least ``min_prefill_tokens`` queries whose prefix (the tokens
-  already in the cache) is a multiple of 128 (docs/spec.md section 1);
+- ``cosa``: a prefill chunk of at least ``min_prefill_tokens`` queries. CoSA needs the chunk's prefix
+  (the tokens already in the cache) to be a multiple of 128 (docs/spec.md section 1); where it is not
+  (vLLM cuts chunked prefills at any token count), FlashAttention runs the chunk's first
+  ``(-prefix) % 128`` tokens (counted as ``alignment_piece`` tokens) and CoSA the rest;
 - ``decode``: one query token;
-- ``short_prefill``: fewer than ``min_prefill_tokens`` queries;
-- ``unaligned_prefix``: a long chunk whose prefix is not a multiple of 128 (chunked prefill cut at
-  a token count that is not one, or a prefix-cache hit of a partial block);
-- ``before_fallback``: a long chunk that sits before a request of the batch that FlashAttention
-  runs (CoSA takes the batch's last requests, one contiguous run of tokens; the batch puts decodes
-  first);
+- ``short_prefill``: fewer than ``min_prefill_tokens`` queries, or fewer once the alignment piece is
+  taken off (``unaligned_prefix``);
 - ``layer_unsupported``: the KV-cache group has a layer CoSA cannot run (sliding window, ALiBi, soft
-  cap, attention sinks, a quantised KV cache, a head size other than 64 or 128, or an encoder).
+  cap, attention sinks, a quantised KV cache, a head size other than 64 or 128, or an encoder), or
+  the batch has a per-request causal flag or bidirectional multimodal ranges.
+
+Consecutive pieces of the same kind form one call: the batch becomes a short sequence of runs, each
+one FlashAttention call or one CoSA call over its tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from cosa import defaults
 from cosa.reference import BLOCK
 
-REASONS = ("cosa", "decode", "short_prefill", "unaligned_prefix", "before_fallback", "layer_unsupported")
+REASONS = ("cosa", "decode", "short_prefill", "unaligned_prefix", "layer_unsupported")
 BACKEND_CLASS = "cosa.integrations.vllm_backend.CosaAttentionBackend"
 
 
@@ -75,14 +77,32 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class Route:
-    """Which requests of a batch CoSA runs: ``[first, stop)`` (``first == stop``: none), whose tokens
-    are ``[token_start, token_stop)``; ``reasons[r]`` is request r's reason (REASONS)."""
+class Run:
+    """Tokens ``[token_start, token_stop)`` of the batch, one call of ``kind`` ("flash" or "cosa"):
+    the parts of requests ``[first, stop)``. A CoSA run may start after its first request's first
+    tokens (the alignment piece); a FlashAttention run may end with an alignment piece, whose KV
+    length is ``last_kv_len`` (else None). ``max_query_len`` and ``max_seq_len`` are over its parts."""
+    kind: str
     first: int
     stop: int
     token_start: int
     token_stop: int
+    max_query_len: int
+    max_seq_len: int
+    last_kv_len: int | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """The batch's runs in token order, each request's reason, and the tokens of each label
+    (the reasons, plus ``alignment_piece``)."""
+    runs: tuple[Run, ...]
     reasons: tuple[str, ...]
+    tokens: tuple[tuple[str, int], ...]
+
+    @property
+    def uses_cosa(self) -> bool:
+        return any(run.kind == "cosa" for run in self.runs)
 
 
 def route(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, min_prefill_tokens: int,
@@ -91,33 +111,49 @@ def route(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, min_prefill_tok
     ``seq_lens`` ``[R]`` (the KV length of each request, its new tokens included)."""
     starts = [int(x) for x in query_start_loc.tolist()]
     kv_lens = [int(x) for x in seq_lens.tolist()]
-    num_reqs = len(kv_lens)
+    parts = []  # (kind, request, token_start, token_stop, kv_len, label) in token order
     reasons = []
-    for r in range(num_reqs):
-        q_len = starts[r + 1] - starts[r]
+    for r, kv_len in enumerate(kv_lens):
+        q0, q1 = starts[r], starts[r + 1]
+        q_len = q1 - q0
+        piece = (q_len - kv_len) % BLOCK  # tokens up to the next multiple of 128 of the prefix
         if q_len <= 1:
-            reasons.append("decode")
+            reason = "decode" if q_len else "empty"
         elif q_len < min_prefill_tokens:
-            reasons.append("short_prefill")
+            reason = "short_prefill"
         elif not layers_supported:
-            reasons.append("layer_unsupported")
-        elif (kv_lens[r] - q_len) % BLOCK != 0:
-            reasons.append("unaligned_prefix")
+            reason = "layer_unsupported"
+        elif q_len - piece < min_prefill_tokens:
+            reason = "unaligned_prefix"
         else:
-            reasons.append("cosa")
-    # CoSA takes the last run of long chunks; empty requests (padding) neither join nor break it.
-    stop = num_reqs
-    while stop > 0 and starts[stop] == starts[stop - 1]:
-        stop -= 1
-    first = stop
-    while first > 0 and (reasons[first - 1] == "cosa" or starts[first] == starts[first - 1]):
-        first -= 1
-    while first < stop and starts[first + 1] == starts[first]:
-        first += 1
-    for r in range(first):
-        if reasons[r] == "cosa":
-            reasons[r] = "before_fallback"
-    return Route(first, stop, starts[first], starts[stop], tuple(reasons))
+            reason = "cosa"
+        reasons.append(reason)
+        if reason == "empty":
+            continue
+        if reason != "cosa":
+            parts.append(("flash", r, q0, q1, kv_len, reason))
+            continue
+        if piece:
+            parts.append(("flash", r, q0, q0 + piece, kv_len - q_len + piece, "alignment_piece"))
+        parts.append(("cosa", r, q0 + piece, q1, kv_len, "cosa"))
+
+    runs, tokens = [], collections.Counter()
+    i = 0
+    while i < len(parts):
+        j = i
+        while j + 1 < len(parts) and parts[j + 1][0] == parts[i][0]:
+            j += 1
+        group = parts[i:j + 1]
+        kind, first, token_start = group[0][0], group[0][1], group[0][2]
+        last = group[-1]
+        partial_end = kind == "flash" and last[3] < starts[last[1] + 1]
+        runs.append(Run(kind, first, last[1] + 1, token_start, last[3],
+                        max(p[3] - p[2] for p in group), max(p[4] for p in group),
+                        last[4] if partial_end else None))
+        for p in group:
+            tokens[p[5]] += p[3] - p[2]
+        i = j + 1
+    return Route(tuple(runs), tuple(reasons), tuple(sorted(tokens.items())))
 
 
 class RoutingCounts:
@@ -129,13 +165,10 @@ class RoutingCounts:
         self.requests = collections.Counter()
         self.tokens = collections.Counter()
 
-    def add(self, r: Route, query_start_loc: torch.Tensor) -> None:
-        starts = query_start_loc.tolist()
+    def add(self, r: Route) -> None:
         with self._lock:
-            for i, reason in enumerate(r.reasons):
-                if starts[i + 1] > starts[i]:
-                    self.requests[reason] += 1
-                    self.tokens[reason] += int(starts[i + 1] - starts[i])
+            self.requests.update(reason for reason in r.reasons if reason != "empty")
+            self.tokens.update(dict(r.tokens))
 
     def snapshot(self) -> dict:
         with self._lock:
