@@ -221,7 +221,7 @@ def compare(results: dict) -> tuple[list[dict], list[str]]:
     return rows, failures
 
 
-def plot(rows, path) -> bool:
+def plot(rows, path, model: str) -> bool:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -231,8 +231,9 @@ def plot(rows, path) -> bool:
         pts = sorted((r["n"], r["ttft_ms"]) for r in rows if r["kind"] == "vllm" and r["impl"] == impl)
         if pts:
             ax.plot(*zip(*pts), marker="o", label=f"vLLM {IMPLS[impl]}" + (" (CoSA)" if impl == "cosa" else ""))
-    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (ms)",
-           title="vLLM 1 request, greedy")
+    long_from = min((r["n"] for r in rows if r["kind"] == "vllm" and r["phase"] == "long"), default=None)
+    title = f"vLLM, one request: {model}" + (f"\n(YaRN rope scaling from {long_from} tokens)" if long_from else "")
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (ms)", title=title)
     ax.legend()
     return save_figure(fig, path)
 
@@ -299,12 +300,12 @@ def main(argv=None) -> int:
                 failures.append(f"engine {impl} ({phase}): {res}")
             results[(impl, phase)] = res
             rows, check_failures = compare(results)
-            write_json(json_path, {**meta, "model": str(args.model), "rows": rows,
+            write_json(json_path, {**meta, "model": Path(args.model).name, "rows": rows,
                                    "engines": {f"{i}-{p}": r for (i, p), r in results.items()}})
     rows, check_failures = compare(results)
     failures += check_failures
     if args.plot:
-        plot(rows, json_path.with_suffix(".png"))
+        plot(rows, json_path.with_suffix(".png"), Path(args.model).name)
     print(format_table(rows, ["kind", "impl", "phase", "n", "ttft_ms", "x_flash_attn", "score", "score_flash",
                               "answers_match", "cosa_tokens"]))
     return finish_report(json_path, failures)

@@ -757,8 +757,10 @@ def test_long_context_reference_blocks_are_the_reference_rows():
     p = long_context.structured_input(n, hq, 2, 64, seed=3, device="cpu")
     args = [p[name] for name in ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k")]
     order, counts = cosa.reference.kap(p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"], n, n)
-    full, _, _ = cosa.reference.osk(*args, order, counts, n)
     blocks = [0, 2, 5]
-    got = long_context.reference_blocks(cosa, p, order, counts, hq - 1, blocks)
-    expect = torch.cat([full[i * 128: min(n, (i + 1) * 128), hq - 1] for i in blocks])
-    assert torch.equal(got, expect)
+    for delta in (0.0, 30.0):
+        full, _, _ = cosa.reference.osk(*args, order, counts, n, delta=delta)
+        got = long_context.reference_blocks(cosa, p, order, counts, hq - 1, blocks, delta)
+        expect = torch.cat([full[i * 128: min(n, (i + 1) * 128), hq - 1] for i in blocks])
+        assert torch.equal(got, expect)
+    assert long_context.sampled_error(cosa, p, full, order, counts, blocks, 30.0) == 0.0
