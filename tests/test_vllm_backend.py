@@ -2,6 +2,7 @@
 registration (vLLM installed), and the attention call on vLLM's KV-cache layout against the
 reference (vLLM installed, Hopper GPU)."""
 
+import dataclasses
 import math
 import types
 
@@ -133,8 +134,37 @@ def test_split_batch_builds_each_runs_metadata_from_the_batchs():
     assert common.query_start_loc.tolist() == qsl.tolist()
 
 
+def vllm_layout(stacked_cache, stacked: bool):
+    """A ``[num_blocks, 2, block_size, Hkv, d]`` cache in the layout of vLLM up to 0.25 (``stacked``)
+    or in that of 0.26 on: ``[num_blocks, Hkv, block_size, 2 * d]``, K then V in the last dim."""
+    if stacked:
+        return stacked_cache
+    nb, _, bs, hkv, d = stacked_cache.shape
+    return stacked_cache.permute(0, 3, 2, 1, 4).reshape(nb, hkv, bs, 2 * d)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_paged_kv_views_both_cache_layouts_as_cosas_pages(stacked):
+    pytest.importorskip("vllm")
+    import cosa
+    from cosa.integrations.vllm_backend import paged_kv
+
+    gen = torch.Generator().manual_seed(1)
+    nb, bs, hkv, d = 12, 16, 2, 64
+    k, v = torch.randn((2, nb, bs, hkv, d), generator=gen).to(torch.bfloat16)
+    k_view, v_view = paged_kv(vllm_layout(torch.stack([k, v], 1), stacked), d, stacked)
+    assert torch.equal(k_view, k) and torch.equal(v_view, v)
+    # The ops take the strided views as they are (their argument contract runs on the CPU too).
+    q = torch.randn((40, 4, d), generator=gen).to(torch.bfloat16)
+    table = torch.randperm(nb, generator=gen)[None, :11].to(torch.int32)  # 168 keys: a prefix of 128
+    args = (torch.tensor([0, 40], dtype=torch.int32), torch.tensor([168], dtype=torch.int32), 40, 168)
+    got = cosa.prefill(q, k_view, v_view, table, *args, top_p=1.0, delta=0.0)
+    assert torch.equal(got, cosa.prefill(q, k.contiguous(), v.contiguous(), table, *args, top_p=1.0, delta=0.0))
+
+
 def vllm_cache(k, v, seqlens_k, block_size, generator):
-    """vLLM's FlashAttention cache ``[num_blocks, 2, block_size, Hkv, d]`` holding packed ``k, v``
+    """vLLM's FlashAttention cache (``[num_blocks, 2, block_size, Hkv, d]``, as ``vllm_layout`` puts it
+    for the installed vLLM) holding packed ``k, v``
     in shuffled blocks, and its block table (unused entries 0, as vLLM leaves them). Blocks that no
     sequence owns hold NaN (never read); the unused rows of a sequence's last block hold large finite
     values, as stale entries of a reused block would (FlashAttention reads them and masks them)."""
@@ -154,7 +184,9 @@ def vllm_cache(k, v, seqlens_k, block_size, generator):
             cache[ids[t0 // block_size], 1, : t1 - t0] = v[token0 + t0: token0 + t1]
         token0 += n
         next_block += nb
-    return cache, table.to(k.device)
+    from cosa.integrations.vllm_backend import KV_STACKED
+
+    return vllm_layout(cache, KV_STACKED), table.to(k.device)
 
 
 @pytest.mark.gpu
@@ -168,7 +200,7 @@ def test_forward_on_vllm_cache_layout_matches_reference(ops, block_size):
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
 
-    from cosa.integrations.vllm_backend import CosaAttentionImpl, CosaAttentionMetadata, split_batch
+    from cosa.integrations.vllm_backend import CosaAttentionImpl, CosaAttentionMetadata, paged_kv, split_batch
 
     hq, hkv, d = 8, 2, 128
     q_lens = [1, 1, 300, 700, 1500, 900]
@@ -191,10 +223,12 @@ def test_forward_on_vllm_cache_layout_matches_reference(ops, block_size):
         slot_mapping=torch.zeros(n, dtype=torch.int64, device="cuda"))
 
     def build_flash(c):
-        return FlashAttentionMetadata(
-            num_actual_tokens=c.num_actual_tokens, max_query_len=c.max_query_len, query_start_loc=c.query_start_loc,
-            max_seq_len=c.max_seq_len, seq_lens=c.seq_lens, block_table=c.block_table_tensor, slot_mapping=c.slot_mapping,
-            use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None, suffix_kv_lens=None)
+        given = dict(num_actual_tokens=c.num_actual_tokens, max_query_len=c.max_query_len,
+                     query_start_loc=c.query_start_loc, max_seq_len=c.max_seq_len, seq_lens=c.seq_lens,
+                     block_table=c.block_table_tensor, slot_mapping=c.slot_mapping, use_cascade=False,
+                     common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None, suffix_kv_lens=None)
+        names = {f.name for f in dataclasses.fields(FlashAttentionMetadata)}  # the cascade fields left in 0.26
+        return FlashAttentionMetadata(**{name: value for name, value in given.items() if name in names})
 
     metadata = CosaAttentionMetadata(None, split_batch(r, common, build_flash))
     with set_current_vllm_config(VllmConfig(additional_config={"cosa": settings})):
@@ -207,7 +241,7 @@ def test_forward_on_vllm_cache_layout_matches_reference(ops, block_size):
     torch.cuda.synchronize()
 
     # The reference over the same tokens in cosa's own layout (top_p 1, no skip: dense attention).
-    k_cache, v_cache = kv_cache.unbind(1)
+    k_cache, v_cache = paged_kv(kv_cache, d)
     expect = R.dense_attention(q[:n].float(), k_cache.float(), v_cache.float(), table, qsl, seq_lens)[0]
     assert_rows_close(output[:n].float(), expect.float(), atol=2e-2)
     assert output[n:].isnan().all(), "padding rows past the batch's tokens must stay untouched"

@@ -1,16 +1,16 @@
 """CoSA's vLLM V1 attention backend (selected as ``attention_backend="CUSTOM"`` once
 ``cosa.integrations.vllm_plugin.register`` has run, which installing cosa arranges).
 
-It extends vLLM's FlashAttention backend and keeps its KV cache (``[num_blocks, 2, block_size,
-Hkv, d]``, any block size vLLM allows: CoSA reads pages of 16 to 256 tokens), its cache writes and
-its CUDA graphs. The metadata builder moves decodes to the front of the batch and cuts the batch
-into runs by ``vllm_plugin.route`` (on the batch's host-side lengths); the attention call makes one
-FlashAttention call per FlashAttention run and one ``torch.ops.cosa.prefill`` per CoSA run,
+It extends vLLM's FlashAttention backend and keeps its KV cache (any block size vLLM allows: CoSA
+reads pages of 16 to 256 tokens), its cache writes and its CUDA graphs. The metadata builder cuts the
+batch into runs by ``vllm_plugin.route`` (on the batch's host-side lengths); the attention call makes
+one FlashAttention call per FlashAttention run and one ``torch.ops.cosa.prefill`` per CoSA run,
 straight over the paged cache and vLLM's block table. A batch without a long prefill (every decode
 step) keeps FlashAttention's own metadata and call, so decode CUDA graphs (full graphs of uniform
 single-token batches) stay as they are; batches that hold a CoSA run execute outside full graphs.
 
-Written against vLLM 0.24.0; README, "vLLM", lists what differs in later versions.
+Tested with vLLM 0.24.0; docs/vllm.md says what differs in later versions and what this module does
+about it (the KV-cache layout of 0.26 on, draft-metadata updates, R-SWA batches).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from vllm.config import get_current_vllm_config, get_layers_from_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
+from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadata, FlashAttentionMetadataBuilder)
@@ -32,6 +33,9 @@ from cosa.integrations import vllm_plugin
 logger = init_logger(__name__)
 
 SUPPORTED_HEAD_SIZES = (64, 128)
+# vLLM up to 0.25 stacks K and V: [num_blocks, 2, block_size, Hkv, d] (the backend declares that shape);
+# from 0.26 each layer's cache is a [num_blocks, Hkv, block_size, 2 * d] view, K then V in the last dim.
+KV_STACKED = hasattr(FlashAttentionBackend, "get_kv_cache_shape")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
 
@@ -61,6 +65,15 @@ class CosaAttentionMetadata:
     otherwise ``parts``, the batch's runs in token order."""
     whole_batch: FlashAttentionMetadata | None
     parts: tuple[FlashPart | CosaPart, ...] = ()
+
+
+def paged_kv(kv_cache: torch.Tensor, head_size: int, stacked: bool = KV_STACKED) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer's vLLM cache as cosa's ``[num_pages, page_size, Hkv, d]`` views (no copy).
+    A size-1 dim (one KV head per rank under tensor parallelism) may carry any stride; cosa's
+    argument contract, like TMA, wants 16-byte multiples, so such strides are made canonical, as
+    FlashAttention's forward does."""
+    k, v = kv_cache.unbind(1) if stacked else kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return canonicalize_singleton_dim_strides(k), canonicalize_singleton_dim_strides(v)
 
 
 def layer_unsupported_reason(impl: FlashAttentionImpl) -> str | None:
@@ -123,6 +136,8 @@ class CosaMetadataBuilder(FlashAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Decodes first: together they make one FlashAttention run, not one between every two prefills.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        # vLLM 0.28 on updates draft-decode metadata in place, FlashAttention's form only.
+        self.supports_draft_decode_metadata_update = False
         self.settings = vllm_plugin.Settings.from_additional_config(vllm_config.additional_config)
         self._layers_supported: bool | None = None
 
@@ -149,7 +164,10 @@ class CosaMetadataBuilder(FlashAttentionMetadataBuilder):
         if seq_lens is None:
             seq_lens = common.seq_lens.cpu()
         seq_lens = seq_lens[:num_reqs]
-        plain_causal = not isinstance(common.causal, torch.Tensor) and common.causal and not common.mm_req_doc_ranges
+        # Per-request causal flags, bidirectional multimodal ranges and (vLLM 0.25 on) R-SWA prefixes
+        # change the mask: FlashAttention runs such batches.
+        plain_causal = (not isinstance(common.causal, torch.Tensor) and common.causal and not common.mm_req_doc_ranges
+                        and getattr(common, "rswa_prefix_lens", None) is None)
         r = vllm_plugin.route(starts, seq_lens, self.settings.min_prefill_tokens,
                               layers_supported=plain_causal and self._layers_are_supported())
         vllm_plugin.ROUTING.add(r)
@@ -186,7 +204,7 @@ class CosaAttentionImpl(FlashAttentionImpl):
             # vLLM's profiling run (None), or a step without a CoSA run: FlashAttention as it is.
             return super().forward(layer, query, key, value, kv_cache, attn_metadata and attn_metadata.whole_batch,
                                    output, output_scale, output_block_scale)
-        k_cache, v_cache = kv_cache.unbind(1)
+        k_cache, v_cache = paged_kv(kv_cache, self.head_size)
         s = self.settings
         for part in attn_metadata.parts:
             rows = slice(part.token_start, part.token_stop)
@@ -205,6 +223,12 @@ class CosaAttentionImpl(FlashAttentionImpl):
 
 
 class CosaAttentionBackend(FlashAttentionBackend):
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # The routing reads the host-side query lengths, which must be exact (vLLM 0.33's adaptive
+        # verification asks backends whether they may not be).
+        return False
 
     @staticmethod
     def get_name() -> str:
