@@ -245,3 +245,45 @@ def test_forward_on_vllm_cache_layout_matches_reference(ops, block_size):
     expect = R.dense_attention(q[:n].float(), k_cache.float(), v_cache.float(), table, qsl, seq_lens)[0]
     assert_rows_close(output[:n].float(), expect.float(), atol=2e-2)
     assert output[n:].isnan().all(), "padding rows past the batch's tokens must stay untouched"
+
+
+def test_builder_keeps_flash_attentions_metadata_without_a_long_prefill(monkeypatch):
+    """CosaMetadataBuilder.build with FlashAttention's builder stubbed: a decode step is FlashAttention's
+    metadata of the whole batch, a step with a long chunk becomes runs, a per-request causal tensor
+    sends everything to FlashAttention, and each step is counted once."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+    from cosa.integrations.vllm_backend import CosaMetadataBuilder, CosaPart, FlashPart
+
+    built = []
+
+    def flash_build(self, common_prefix_len, common, fast_build=False):
+        built.append(common)
+        return types.SimpleNamespace(scheduler_metadata=None, num_actual_tokens=common.num_actual_tokens)
+
+    monkeypatch.setattr(FlashAttentionMetadataBuilder, "build", flash_build)
+    builder = object.__new__(CosaMetadataBuilder)
+    builder.settings = Settings(min_prefill_tokens=256)
+    builder._layers_supported = True
+
+    def common(q_lens, kv_lens, **extra):
+        qsl = starts(*q_lens).to(torch.int32)
+        kv = torch.tensor(kv_lens, dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=kv.clone(), num_reqs=len(q_lens),
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=max(kv_lens),
+            block_table_tensor=torch.zeros((len(q_lens), 8), dtype=torch.int32),
+            slot_mapping=torch.arange(int(qsl[-1])), seq_lens_cpu_upper_bound=kv, **extra)
+
+    vllm_plugin.ROUTING.reset()
+    decode = builder.build(0, common([1, 1], [50, 60]))
+    assert decode.whole_batch is not None and decode.parts == () and built[-1].num_reqs == 2
+    mixed = builder.build(0, common([1, 500], [50, 500 + 10]))
+    assert mixed.whole_batch is None and [type(p) for p in mixed.parts] == [FlashPart, CosaPart]
+    assert built[-1].query_start_loc_cpu.tolist() == [0, 1, 119]  # the decode, then the alignment piece
+    flagged = builder.build(0, common([1, 300], [50, 300], causal=torch.tensor([1, 1], dtype=torch.int32)))
+    assert flagged.whole_batch is not None
+    assert vllm_plugin.routing_counts()["requests"] == {"decode": 4, "cosa": 1, "layer_unsupported": 1}
+    vllm_plugin.ROUTING.reset()
