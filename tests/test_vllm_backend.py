@@ -91,6 +91,11 @@ def test_settings_from_additional_config():
         Settings.from_additional_config({"cosa": {"min_prefill_tokens": 0}})
     with pytest.raises(ValueError, match="must be a dict"):
         Settings.from_additional_config({"cosa": [1]})
+    # Values the ops refuse are refused at engine start, in the ops' own words.
+    for bad, name in (({"top_p": 1.5}, "top_p"), ({"stride": 5}, "stride"), ({"vote": "row"}, "vote"),
+                      ({"proxy_precision": "int4"}, "proxy_precision")):
+        with pytest.raises(ValueError, match=f"additional_config\\['cosa'\\]: .*{name}"):
+            Settings.from_additional_config({"cosa": bad})
 
 
 def test_register_puts_the_backend_in_the_custom_slot():

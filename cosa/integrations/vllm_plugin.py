@@ -31,6 +31,7 @@ one FlashAttention call or one CoSA call over its tokens.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from dataclasses import dataclass, fields
 
@@ -73,7 +74,24 @@ class Settings:
         if settings.min_prefill_tokens < 1:
             raise ValueError(f"additional_config['cosa']['min_prefill_tokens'] must be >= 1, "
                              f"got {settings.min_prefill_tokens}")
+        _check_with_the_ops(settings)
         return settings
+
+
+@functools.lru_cache(maxsize=16)
+def _check_with_the_ops(settings: Settings) -> None:
+    """Refuse values the ops would refuse, at engine start rather than at the first long prompt: one
+    prefill of 128 tokens on the CPU (the reference) runs the ops' own argument contract."""
+    import cosa
+
+    q = torch.zeros((BLOCK, 1, 64), dtype=torch.bfloat16)
+    cache = torch.zeros((1, BLOCK, 1, 64), dtype=torch.bfloat16)
+    try:
+        cosa.prefill(q, cache, cache, torch.zeros((1, 1), dtype=torch.int32), torch.tensor([0, BLOCK], dtype=torch.int32),
+                     torch.tensor([BLOCK], dtype=torch.int32), BLOCK, BLOCK, stride=settings.stride, top_p=settings.top_p,
+                     delta=settings.delta, vote=settings.vote, proxy_precision=settings.proxy_precision)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"additional_config['cosa']: {error}") from None
 
 
 @dataclass(frozen=True)
