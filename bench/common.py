@@ -87,7 +87,9 @@ def write_json(path: Path, payload: dict) -> None:
     tmp.replace(path)
 
 
-def _cuda_event_median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+def cuda_event_median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    """Median of ``reps`` calls timed with CUDA events, after ``warmup`` untimed calls; no call's
+    result outlives it, so that each call allocates into the same free memory."""
     for _ in range(warmup):
         fn()
     times = []
@@ -109,8 +111,8 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 1
     try:
         from triton.testing import do_bench
     except ImportError:
-        once = max(_cuda_event_median_ms(fn, warmup=1, reps=1), 1e-3)
-        return _cuda_event_median_ms(fn, warmup=max(1, int(warmup_ms / once)),
+        once = max(cuda_event_median_ms(fn, warmup=1, reps=1), 1e-3)
+        return cuda_event_median_ms(fn, warmup=max(1, int(warmup_ms / once)),
                                      reps=max(3, int(rep_ms / once)))
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, require_cuda, save_figure,  # noqa: E402
+from common import (REPO_ROOT, argument_parser, cuda_event_median_ms, finish_report, format_table, progress,  # noqa: E402
+                    require_cuda, save_figure,
                     start_run, write_json)
 
 BLOCK = 128
@@ -68,22 +69,6 @@ def structured_input(n: int, hq: int, hkv: int, d: int, seed: int, device: str =
                 seqused_k=torch.tensor([n], dtype=torch.int32, device=device), max_seqlen_q=n, max_seqlen_k=n)
 
 
-def median_ms(fn, reps: int) -> float:
-    """Median of ``reps`` timed calls after one warm-up (CUDA events); no call's result outlives it,
-    so that each call allocates into the same free memory."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def list_agreement(order, counts, ref_order, ref_counts) -> dict:
     """Share of identical lists, mean IoU of the kept sets, and the largest count difference."""
     hq, nq, nk = order.shape
@@ -104,7 +89,7 @@ def check_lists(cosa, n: int, seed: int) -> dict:
     shape = CHECK_SHAPE
     p = structured_input(n, shape["hq"], shape["hkv"], shape["d"], seed)
     args = [p[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k")]
-    ms = median_ms(lambda: cosa.kap(*args, n, n), reps=1)
+    ms = cuda_event_median_ms(lambda: cosa.kap(*args, n, n), warmup=1, reps=1)
     order, counts = cosa.kap(*args, n, n)
     ref_order, ref_counts = reference.kap(*args, n, n)
     row = {"kind": "lists", "impl": "kap-vs-reference", "n": n, "key_blocks": math.ceil(n / BLOCK),
@@ -151,8 +136,8 @@ def prefill_row(cosa, n: int, seed: int, reps: int) -> dict:
     args = [p[name] for name in ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k")] + [n, n]
     kap_args = [p[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k")] + [n, n]
     progress(f"prefill {n}: timing cosa.prefill and cosa.kap ({reps} timed calls each after one warm-up)")
-    ms = median_ms(lambda: cosa.prefill(*args), reps)
-    kap_ms = median_ms(lambda: cosa.kap(*kap_args), reps)
+    ms = cuda_event_median_ms(lambda: cosa.prefill(*args), warmup=1, reps=reps)
+    kap_ms = cuda_event_median_ms(lambda: cosa.kap(*kap_args), warmup=1, reps=reps)
     # One more call alone, for the memory it allocates beyond its inputs (out, lse, the lists, workspace).
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -193,7 +178,7 @@ def dense_row(n: int, seed: int, reps: int) -> dict:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    ms = median_ms(run, reps)
+    ms = cuda_event_median_ms(run, warmup=1, reps=reps)
     return {"kind": "dense", "impl": "sdpa-cudnn", "n": n, "ms": ms, "ok": True}
 
 
