@@ -265,6 +265,12 @@ def parse_args(argv=None):
         ap.error("lengths must be positive")
     if not 0 < args.gpu_memory_utilization <= 1:
         ap.error("--gpu-memory-utilization must be in (0, 1]")
+    if args.batch < 0:
+        ap.error("--batch must be 0 (no batch phase) or more")
+    if not args.yarn_factor > 1:
+        ap.error("--yarn-factor must be greater than 1")
+    if args.min_prefill_tokens < 1:
+        ap.error("--min-prefill-tokens must be at least 1")
     return args
 
 

@@ -724,7 +724,8 @@ def test_long_context_arguments_and_no_gpu(capsys):
 
 def test_vllm_e2e_arguments(tmp_path, capsys):
     for bad, message in ((["--reps", "0"], "--reps"), (["--lengths", "0"], "positive"),
-                         (["--gpu-memory-utilization", "1.5"], "utilization")):
+                         (["--gpu-memory-utilization", "1.5"], "utilization"), (["--batch", "-1"], "--batch"),
+                         (["--yarn-factor", "0.5"], "--yarn-factor"), (["--min-prefill-tokens", "0"], "--min-prefill")):
         with pytest.raises(SystemExit):
             vllm_e2e.parse_args(["--model", str(tmp_path), *bad])
         assert message in capsys.readouterr().err
