@@ -86,7 +86,8 @@ struct OnlineSoftmax {
     for (int rh = 0; rh < 2; ++rh) {
       // A row with no live key so far keeps max -inf: exponentiate against 0 instead.
       max_scaled[rh] = new_max[rh] == -INFINITY ? 0.f : new_max[rh] * scale_log2;
-      rescale[rh] = exp2f(max[rh] * scale_log2 - max_scaled[rh]);
+      // Exactly 1 when the max stands (rescale_o then leaves O alone).
+      rescale[rh] = new_max[rh] == max[rh] ? 1.f : exp2f(max[rh] * scale_log2 - max_scaled[rh]);
       max[rh] = new_max[rh];
     }
     float partial[2][kChains] = {};
@@ -104,8 +105,12 @@ struct OnlineSoftmax {
     }
   }
 
+  // O *= rescale per row, unless no row of the warp has a new max. Past the first blocks of a
+  // list that is the common case, the more so in KAP's order (blocks holding a row max first),
+  // and it takes 64 multiplications per thread off the path between P V and the next GEMM turn.
   template <class FragO>
   __device__ static void rescale_o(FragO& tOrO, const float (&rescale)[2]) {
+    if (!__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) { return; }
     CUTE_UNROLL
     for (int v = 0; v < cute::size(tOrO); ++v) { tOrO(v) *= rescale[AccumulatorLayout::row_half(v)]; }
   }
