@@ -22,8 +22,11 @@ only where FlashAttention-4 (the flash-attn-4 package) is installed and runs. Ev
 is checked in the same run against a float32 reference restricted to the same block lists.
 
     python bench/kernel.py [--n 8192 32768 65536 131072] [--budgets 0.25 0.5 0.75 1.0]
-                           [--strides 4 8 16] [--only dense,flex,osk,kap,cosa] [--quick]
-                           [--plot] [--out bench/results]
+                           [--strides 4 8 16] [--only dense,flex,osk,kap,cosa] [--page-size 128]
+                           [--quick] [--plot] [--out bench/results]
+
+--page-size sets the KV cache's page size of the CoSA rows (a power of two in [16, 256]; vLLM's
+default block size is 16); the dense and FlexAttention peers read contiguous tensors either way.
 """
 
 from __future__ import annotations
@@ -813,6 +816,8 @@ def parse_args(argv=None):
                    help=f"smoke test at N = {' '.join(map(str, QUICK_N))} (unless --n is given)")
     p.add_argument("--only", default=",".join(SECTIONS),
                    help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
+    p.add_argument("--page-size", type=int, default=CONFIG["page_size"],
+                   help=f"page size of the paged KV cache the CoSA rows read (default {CONFIG['page_size']})")
     p.add_argument("--plot", action="store_true", help="also save a PNG of time vs N next to the JSON")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"), help="folder for the JSON")
     args = p.parse_args(argv)
@@ -828,6 +833,8 @@ def parse_args(argv=None):
         p.error("--budgets: each budget must be in (0, 1]")
     if any(s <= 0 or BLOCK % s for s in args.strides):
         p.error("--strides: each stride must divide 128")
+    if not (16 <= args.page_size <= 256 and args.page_size & (args.page_size - 1) == 0):
+        p.error(f"--page-size: must be a power of two in [16, 256], got {args.page_size}")
     return args
 
 
@@ -845,6 +852,7 @@ def load_peers(sections):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    CONFIG["page_size"] = args.page_size  # recorded in the JSON's config
     require_cuda("bench/kernel.py")
     meta = run_metadata()
     json_path = results_path(args.out, "kernel", meta)

@@ -765,3 +765,12 @@ def test_long_context_reference_blocks_are_the_reference_rows():
         expect = torch.cat([full[i * 128: min(n, (i + 1) * 128), hq - 1] for i in blocks])
         assert torch.equal(got, expect)
     assert long_context.sampled_error(cosa, p, full, order, counts, blocks, 30.0) == 0.0
+
+
+def test_kernel_page_size_flag(capsys):
+    assert kernel.parse_args(["--page-size", "16"]).page_size == 16
+    assert kernel.parse_args([]).page_size == kernel.CONFIG["page_size"]
+    for bad in ("0", "24", "8", "512"):
+        with pytest.raises(SystemExit):
+            kernel.parse_args(["--page-size", bad])
+        assert "--page-size" in capsys.readouterr().err
