@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -128,20 +127,11 @@ def pip_cuda_includes() -> list[str]:
     return folders
 
 
-def default_macros() -> list[str]:
-    """The tuning defaults of cosa/defaults.py (their one source) as the -D flags that spell them in
-    the op schemas of csrc/torch_binding.cpp: a string bare (the binding quotes it), a number as
-    Python writes it, None as None. The file is run on its own: the package cannot be imported yet."""
-    table = runpy.run_path(str(ROOT / "cosa" / "defaults.py"))["SCHEMA_DEFAULTS"]
-    return [f"-DCOSA_DEFAULT_{name}={value if isinstance(value, str) else repr(value)}"
-            for name, value in table.items()]
-
-
 def extension():
     use_cuda, reason = choose_cuda()
     include_dirs = [str(ROOT / d) for d in MANIFEST["include_dirs"]]
     sources = [repo_path(s) for s in MANIFEST["binding_sources"]]
-    cxx_flags = list(MANIFEST["cxx_flags"]) + default_macros()
+    cxx_flags = list(MANIFEST["cxx_flags"])
     jobs = os.environ.get("MAX_JOBS", "ninja's default")
     if not use_cuda:
         log(f"building the CPU-only extension (op schemas and argument checks; the CPU kernels are the Python "

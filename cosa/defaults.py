@@ -1,11 +1,11 @@
 """The defaults of the ops' tuning arguments, and their one source.
 
-The Python API (cosa.api), the reference (cosa.reference) and the op schemas take them from here:
-setup.py compiles these values into the schemas of csrc/torch_binding.cpp (so that
-``torch.ops.cosa.prefill(...)`` called without them gets the same ones), and
-tests/test_ops.py checks that the built extension agrees with this file. Plain Python, no imports:
-setup.py reads it before the package (and its extension) exists. Why these values: docs/spec.md
-section 5."""
+The Python API (cosa.api) and the reference (cosa.reference) import them; the C++ side reads them
+from csrc/cosa_defaults.h, which this file writes (``python3 cosa/defaults.py > csrc/cosa_defaults.h``):
+the op schemas of csrc/torch_binding.cpp (so that ``torch.ops.cosa.prefill(...)`` called without
+them gets the same ones) and the parameter structs of csrc/cosa_params.h (what C API callers get).
+tests/test_ops.py fails when that header is stale or the built extension disagrees with this file.
+Plain Python, no imports. Why these values: docs/spec.md section 5."""
 
 STRIDE = 8  # KAP's antidiagonal stride
 TOP_P = 0.95  # KAP's stage-1 top-p
@@ -14,6 +14,28 @@ DELTA = 2000.0  # OSK's skip scale; <= 0 turns the in-kernel skip off
 VOTE = "warpgroup"  # who decides a skip together: each 64-row half of a tile ("warpgroup") or the tile
 PROXY_PRECISION = "native"  # what KAP's proxy GEMM multiplies: q and k as given, or "fp8" (e4m3) copies
 
-# What setup.py compiles into the schemas: each entry becomes the macro COSA_DEFAULT_<NAME>.
+# As the op schemas spell them: each entry becomes the macro COSA_DEFAULT_<NAME> of the header.
 SCHEMA_DEFAULTS = {"STRIDE": STRIDE, "TOP_P": TOP_P, "SOFTMAX_SCALE": SOFTMAX_SCALE, "DELTA": DELTA, "VOTE": VOTE,
                    "PROXY_PRECISION": PROXY_PRECISION}
+# The enumerators of csrc/cosa_params.h that the string defaults name.
+VOTE_SCOPES = {"tile": "kTile", "warpgroup": "kWarpgroup"}
+PROXY_PRECISIONS = {"native": "kNative", "fp8": "kE4M3"}
+
+
+def c_header() -> str:
+    """The text of csrc/cosa_defaults.h."""
+    lines = ["// The defaults of the ops' tuning arguments, written by `python3 cosa/defaults.py >",
+             "// csrc/cosa_defaults.h` from cosa/defaults.py, their one source (tests/test_ops.py fails when",
+             "// this file is stale). Edit that file, not this one.",
+             "#pragma once", "",
+             "// As the op schemas of csrc/torch_binding.cpp spell them (strings bare: the binding quotes them)."]
+    lines += [f"#define COSA_DEFAULT_{name} {value if isinstance(value, str) else repr(value)}"
+              for name, value in SCHEMA_DEFAULTS.items()]
+    lines += ["", "// The enumerators of csrc/cosa_params.h that the string defaults name.",
+              f"#define COSA_DEFAULT_VOTE_SCOPE {VOTE_SCOPES[VOTE]}",
+              f"#define COSA_DEFAULT_PROXY_PRECISION_ENUM {PROXY_PRECISIONS[PROXY_PRECISION]}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(c_header(), end="")

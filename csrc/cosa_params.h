@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include "cosa_defaults.h"
+
 namespace cosa {
 
 // Logical block size for queries and keys (spec section 1); fixed by the method.
@@ -62,9 +64,9 @@ enum class ProxyPrecision : int { kNative = 0, kE4M3 = 1 };
 // KAP (spec section 2). Inputs are validated by the binding before launch.
 struct KapParams {
   PagedLayout layout;
-  int stride = 8;        // s: divides 128
-  float top_p = 0.95f;   // (0, 1]
-  ProxyPrecision precision = ProxyPrecision::kNative;
+  int stride = COSA_DEFAULT_STRIDE;             // s: divides 128
+  float top_p = float(COSA_DEFAULT_TOP_P);      // (0, 1]
+  ProxyPrecision precision = ProxyPrecision::COSA_DEFAULT_PROXY_PRECISION_ENUM;
   // Outputs, contiguous: order [num_heads_q, num_q_blocks, max_k_blocks] (list then -1 padding),
   // counts [num_heads_q, num_q_blocks].
   int32_t* order = nullptr;
@@ -84,8 +86,8 @@ struct OskParams {
   PagedLayout layout;
   const int32_t* order = nullptr;   // [num_heads_q, num_q_blocks, max_k_blocks]
   const int32_t* counts = nullptr;  // [num_heads_q, num_q_blocks]
-  float delta = 2000.f;             // <= 0 disables the in-kernel skip
-  VoteScope vote = VoteScope::kWarpgroup;
+  float delta = float(COSA_DEFAULT_DELTA);  // <= 0 disables the in-kernel skip
+  VoteScope vote = VoteScope::COSA_DEFAULT_VOTE_SCOPE;
   // out: [total_q, num_heads_q, head_dim], same dtype as q, head_dim contiguous.
   void* out = nullptr;
   int64_t out_row_stride = 0, out_head_stride = 0;

@@ -40,12 +40,9 @@
 #include "cosa_params.h"
 #endif
 
-// The defaults of the tuning arguments come from cosa/defaults.py, their one source: setup.py
-// passes them as these macros, and the schemas below spell them.
-#if !defined(COSA_DEFAULT_STRIDE) || !defined(COSA_DEFAULT_TOP_P) || !defined(COSA_DEFAULT_SOFTMAX_SCALE) || \
-    !defined(COSA_DEFAULT_DELTA) || !defined(COSA_DEFAULT_VOTE) || !defined(COSA_DEFAULT_PROXY_PRECISION)
-#error "build through setup.py, which passes the defaults of cosa/defaults.py as the COSA_DEFAULT_* macros"
-#endif
+// The defaults of the tuning arguments come from cosa/defaults.py, their one source, through the
+// macros of cosa_defaults.h (which that file writes); the schemas below spell them.
+#include "cosa_defaults.h"
 #define COSA_SPELL_(value) #value
 #define COSA_SPELL(value) COSA_SPELL_(value)
 #define COSA_STRIDE_ARG "int stride=" COSA_SPELL(COSA_DEFAULT_STRIDE)

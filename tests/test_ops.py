@@ -4,6 +4,7 @@ The bad-input cases run on the CPU here and on the GPU (CUDA binding) with the `
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -388,6 +389,13 @@ def test_check_args_derives_the_max_lengths(ops):
     assert ops.check_args("prefill", *layout, v_cache=p["v_cache"]) == (200, 328)
     assert ops.check_args("kap", *layout, max_seqlen_q=300) == (300, 328)  # max_seqlen_k >= max_seqlen_q
     assert ops.check_args("kap", *layout, max_seqlen_q=300, max_seqlen_k=400) == (300, 400)
+
+
+def test_the_c_header_of_the_defaults_is_current():
+    """csrc/cosa_defaults.h is what cosa/defaults.py writes (`python3 cosa/defaults.py >
+    csrc/cosa_defaults.h` after a change of a default)."""
+    header = Path(__file__).resolve().parent.parent / "csrc" / "cosa_defaults.h"
+    assert header.read_text() == defaults.c_header(), "csrc/cosa_defaults.h is stale: regenerate it"
 
 
 def test_the_defaults_have_one_source(ops):
