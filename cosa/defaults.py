@@ -17,13 +17,13 @@ PROXY_PRECISION = "native"  # what KAP's proxy GEMM multiplies: q and k as given
 # As the op schemas spell them: each entry becomes the macro COSA_DEFAULT_<NAME> of the header.
 SCHEMA_DEFAULTS = {"STRIDE": STRIDE, "TOP_P": TOP_P, "SOFTMAX_SCALE": SOFTMAX_SCALE, "DELTA": DELTA, "VOTE": VOTE,
                    "PROXY_PRECISION": PROXY_PRECISION}
-# The enumerators of csrc/cosa_params.h that the string defaults name.
-VOTE_SCOPES = {"tile": "kTile", "warpgroup": "kWarpgroup"}
-PROXY_PRECISIONS = {"native": "kNative", "fp8": "kE4M3"}
 
 
 def c_header() -> str:
     """The text of csrc/cosa_defaults.h."""
+    # The enumerators of csrc/cosa_params.h that the string defaults name.
+    vote_enumerators = {"tile": "kTile", "warpgroup": "kWarpgroup"}
+    precision_enumerators = {"native": "kNative", "fp8": "kE4M3"}
     lines = ["// The defaults of the ops' tuning arguments, written by `python3 cosa/defaults.py >",
              "// csrc/cosa_defaults.h` from cosa/defaults.py, their one source (tests/test_ops.py fails when",
              "// this file is stale). Edit that file, not this one.",
@@ -32,8 +32,8 @@ def c_header() -> str:
     lines += [f"#define COSA_DEFAULT_{name} {value if isinstance(value, str) else repr(value)}"
               for name, value in SCHEMA_DEFAULTS.items()]
     lines += ["", "// The enumerators of csrc/cosa_params.h that the string defaults name.",
-              f"#define COSA_DEFAULT_VOTE_SCOPE {VOTE_SCOPES[VOTE]}",
-              f"#define COSA_DEFAULT_PROXY_PRECISION_ENUM {PROXY_PRECISIONS[PROXY_PRECISION]}"]
+              f"#define COSA_DEFAULT_VOTE_SCOPE {vote_enumerators[VOTE]}",
+              f"#define COSA_DEFAULT_PROXY_PRECISION_ENUM {precision_enumerators[PROXY_PRECISION]}"]
     return "\n".join(lines) + "\n"
 
 

@@ -399,7 +399,7 @@ def test_the_c_header_of_the_defaults_is_current():
 
 
 def test_the_defaults_have_one_source(ops):
-    """The schemas (compiled from cosa/defaults.py by setup.py), the wrappers and the reference
+    """The schemas (compiled from cosa/defaults.py through csrc/cosa_defaults.h), the wrappers and the reference
     all hold cosa.defaults' values: a stale build or a second copy fails here."""
     import inspect
 
