@@ -259,8 +259,15 @@ struct OskMainloop {
 
     TiledMmaQK mma_qk;
     TiledMmaPV mma_pv;
-    auto thread_qk = mma_qk.get_thread_slice(thread);
-    auto thread_pv = mma_pv.get_thread_slice(thread);
+    // The wgmma operand descriptors depend only on the warpgroup and the stage. ptxas takes a value
+    // broadcast from lane 0 as warp-uniform, and builds descriptors from such values in uniform
+    // registers; from the thread index or the loop's stage it built them in ordinary registers
+    // and moved them into uniform ones before every wgmma (48 R2UR per list entry, the step 804
+    // instructions long instead of 761, the 16 wgmmas of a step issued between those moves).
+    auto warp_uniform = [](int x) { return __shfl_sync(0xffffffffu, x, 0); };
+    const int warpgroup_first_thread = warp_uniform(warpgroup) * 128;
+    auto thread_qk = mma_qk.get_thread_slice(warpgroup_first_thread);
+    auto thread_pv = mma_pv.get_thread_slice(warpgroup_first_thread);
     Tensor sQ = make_tensor(make_smem_ptr(storage.q), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.k), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.v), typename Traits::SmemLayoutVt{});
@@ -325,7 +332,7 @@ struct OskMainloop {
     auto step = [&](int k, auto pv_pending_tag) -> bool {
       constexpr bool kPvPending = decltype(pv_pending_tag)::value;
       const int block = __ldg(list + k);
-      const int stage = k % kStages;
+      const int stage = warp_uniform(k % kStages);
       const uint32_t parity = (k / kStages) & 1;
 
       MBarrier::wait(&storage.k_full[stage], parity);
@@ -333,7 +340,8 @@ struct OskMainloop {
       warpgroup_gemm_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
       if constexpr (kPvPending) {
         MBarrier::wait(&storage.v_full[pv_stage], pv_parity);
-        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, pv_stage), tOrO);
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, warp_uniform(pv_stage)),
+                                                  tOrO);
         turns.pass();
         warpgroup_wait<1>();  // S is ready; the P V product may still run
       } else {
@@ -394,7 +402,8 @@ struct OskMainloop {
     }
     if (pv_pending) {
       MBarrier::wait(&storage.v_full[pv_stage], pv_parity);
-      warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, pv_stage), tOrO);
+      warpgroup_gemm_issue</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, warp_uniform(pv_stage)),
+                                                tOrO);
       finish_pv();
     }
   }
