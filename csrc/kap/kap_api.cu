@@ -96,8 +96,16 @@ template <int kStride>
 cudaError_t launch_select(const KapDeviceArgs& args, cudaStream_t stream) {
   if (args.layout.max_k_blocks <= kWarpSortMax) {
     const dim3 grid((args.layout.num_q_blocks + kSelectWarps - 1) / kSelectWarps, args.head_count);
-    return launch_dependent(kap_select_warp_kernel<kStride>, grid, dim3(32 * kSelectWarps), 0,
-                            stream, args);
+    // The version whose longest sort (32 * kMaxElems keys) holds the problem's longest list.
+    auto launch = [&](auto kernel) {
+      return launch_dependent(kernel, grid, dim3(32 * kSelectWarps), 0, stream, args);
+    };
+    const int max_k_blocks = args.layout.max_k_blocks;
+    if (max_k_blocks <= 64) return launch(kap_select_warp_kernel<kStride, 2>);
+    if (max_k_blocks <= 128) return launch(kap_select_warp_kernel<kStride, 4>);
+    if (max_k_blocks <= 256) return launch(kap_select_warp_kernel<kStride, 8>);
+    if (max_k_blocks <= 512) return launch(kap_select_warp_kernel<kStride, 16>);
+    return launch(kap_select_warp_kernel<kStride, 32>);
   }
   const size_t smem = select_smem_bytes(args.layout.max_k_blocks);
   auto kernel = kap_select_block_kernel<kStride>;

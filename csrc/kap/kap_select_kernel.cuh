@@ -103,14 +103,26 @@ __device__ __forceinline__ void stage_row_max(const SelectList& list, float* row
 template <int kStride>
 __device__ __forceinline__ uint64_t candidate_key(const SelectList& list, const float* row_max,
                                                   int max_k_blocks, int j) {
+  // The rows' loads are issued 16 at a time before any is used (rows past num_rows read row 0 and
+  // are dropped): a load guarded by its own branch would wait for the one before it.
+  constexpr int kRows = kBlockSize / kStride;
+  constexpr int kBatch = kRows < 16 ? kRows : 16;
   float score = 0.f;
   bool hrm = false;
 #pragma unroll
-  for (int r = 0; r < kBlockSize / kStride; ++r) {
-    if (r < list.num_rows) {
-      const float v = list.block_max[static_cast<int64_t>(r) * max_k_blocks + j];
-      score += __expf(v - row_max[r]);
-      hrm |= (v == row_max[r]);
+  for (int r0 = 0; r0 < kRows; r0 += kBatch) {
+    float v[kBatch];
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const int row = r0 + r < list.num_rows ? r0 + r : 0;
+      v[r] = list.block_max[static_cast<int64_t>(row) * max_k_blocks + j];
+    }
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      if (r0 + r < list.num_rows) {
+        score += __expf(v[r] - row_max[r0 + r]);
+        hrm |= (v[r] == row_max[r0 + r]);
+      }
     }
   }
   return select_key(hrm, score, j);
@@ -393,9 +405,28 @@ __device__ __forceinline__ void select_list_warp(const KapDeviceArgs& args, cons
   finish_list(list, args.layout.max_k_blocks, kept.count, lane, 32);
 }
 
-// One warp per (query head, query block); lists of at most kWarpSortMax candidates.
-template <int kStride>
-__global__ void __launch_bounds__(32 * kSelectWarps, 3) kap_select_warp_kernel(const KapDeviceArgs args) {
+// select_list_warp with the fewest keys per lane (a power of two from kElems up to kMaxElems)
+// that hold the list's candidates.
+template <int kElems, int kMaxElems>
+__device__ __forceinline__ void select_list_fitting(const KapDeviceArgs& args, const SelectList& list,
+                                                    const uint64_t* staged, int hrm_local, int lane) {
+  if constexpr (kElems < kMaxElems) {
+    if (list.diagonal + 1 > 32 * kElems) {
+      select_list_fitting<2 * kElems, kMaxElems>(args, list, staged, hrm_local, lane);
+      return;
+    }
+  }
+  select_list_warp<kElems>(args, list, staged, hrm_local, lane);
+}
+
+// One warp per (query head, query block); lists of at most 32 * kMaxElems <= kWarpSortMax
+// candidates. The launch picks the smallest kMaxElems that holds the longest list: the register
+// file and the shared memory that the longest sort needs are what limit how many lists an SM works
+// on at once, and a list's sort is a chain of dependent shuffles that only other lists can hide.
+template <int kStride, int kMaxElems>
+__global__ void __launch_bounds__(32 * kSelectWarps, kMaxElems <= 8 ? 8 : 3)
+    kap_select_warp_kernel(const KapDeviceArgs args) {
+  static_assert(32 * kMaxElems <= kWarpSortMax, "the warp kernel sorts at most kWarpSortMax keys");
   // A dependent launch, as kap_select_block_kernel.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
@@ -413,7 +444,7 @@ __global__ void __launch_bounds__(32 * kSelectWarps, 3) kap_select_warp_kernel(c
   const int num_candidates = list.diagonal + 1;  // every candidate is allowed for every row
 
   __shared__ float row_max_all[kSelectWarps][kRowsPerBlock];
-  __shared__ uint64_t staged_all[kSelectWarps][kWarpSortMax];
+  __shared__ uint64_t staged_all[kSelectWarps][32 * kMaxElems];
   float* row_max = row_max_all[warp];
   uint64_t* staged = staged_all[warp];
   stage_row_max<kStride>(list, row_max, lane);
@@ -426,19 +457,7 @@ __global__ void __launch_bounds__(32 * kSelectWarps, 3) kap_select_warp_kernel(c
     staged[j] = key;
   }
   __syncwarp();
-  if (num_candidates <= 32) {
-    select_list_warp<1>(args, list, staged, hrm_local, lane);
-  } else if (num_candidates <= 64) {
-    select_list_warp<2>(args, list, staged, hrm_local, lane);
-  } else if (num_candidates <= 128) {
-    select_list_warp<4>(args, list, staged, hrm_local, lane);
-  } else if (num_candidates <= 256) {
-    select_list_warp<8>(args, list, staged, hrm_local, lane);
-  } else if (num_candidates <= 512) {
-    select_list_warp<16>(args, list, staged, hrm_local, lane);
-  } else {
-    select_list_warp<32>(args, list, staged, hrm_local, lane);
-  }
+  select_list_fitting<1, kMaxElems>(args, list, staged, hrm_local, lane);
 }
 
 }  // namespace cosa::kap
