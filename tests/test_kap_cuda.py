@@ -167,8 +167,8 @@ def test_structured_top_p_one(ops):
 def test_structured_long_lists(ops, key_blocks):
     """The warp select kernel is compiled per longest list (up to 64, 128, 256, 512 and 1024 key
     blocks): each version sorts its longest lists in full (top_p = 1) as the reference does. Among
-    hundreds of low scores a few pairs differ by float rounding only (the kernel and the reference
-    sum the same exponentials in different orders): there the two may list the pair either way."""
+    hundreds of low scores a few pairs differ by float rounding only (the kernel's fast exponentials
+    and summation order against the reference's): there the two may list the pair either way."""
     p = problem([300], [300 + (key_blocks - 3) * 128], hq=2, hkv=1, page_size=128, structure="needles",
                 seed=key_blocks)
     order, counts = kap(ops, p, 8, top_p=1.0)
