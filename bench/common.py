@@ -54,6 +54,27 @@ def git_commit() -> str:
         return "unknown"
 
 
+SOURCE_DIRS = ("csrc", "cosa")
+SOURCE_SUFFIXES = (".py", ".h", ".cuh", ".cu", ".cpp", ".json")
+
+
+def source_digest(root: str | os.PathLike = REPO_ROOT) -> str:
+    """The first 12 hex digits of the SHA-1 over the files of csrc/ and cosa/ with SOURCE_SUFFIXES
+    (their paths relative to `root`, sorted, each path and its bytes fed in turn): it names the code
+    behind a result when the commit field reads -dirty or a copy of the tree has no git metadata.
+    The same digest of any commit comes from its `git archive` unpacked as `root`."""
+    import hashlib
+
+    root = Path(root)
+    digest = hashlib.sha1()
+    files = sorted(path for folder in SOURCE_DIRS for path in (root / folder).rglob("*")
+                   if path.is_file() and path.suffix in SOURCE_SUFFIXES)
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def run_metadata() -> dict:
     """Device, library versions, commit and date of this run (the head of every results file)."""
     meta = {
@@ -62,6 +83,7 @@ def run_metadata() -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "commit": git_commit(),
+        "sources": source_digest(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     try:

@@ -4,7 +4,8 @@ and paired intervals), the dropping of tasks dense fails, and the methods' lists
 the peers' own rules, KAP's lists in ascending order); the CPU pieces of
 bench/kernel.py (the FA4 peer's call, the anchors' columns, the skip accounting) and of
 bench/layers.py (arguments, the Q/K/V capture, one layer's rows with the timer stubbed, results), of
-bench/long_context.py (the list agreement) and of bench/vllm_e2e.py (arguments, the rows of the two engines)."""
+bench/long_context.py (the list agreement) and of bench/vllm_e2e.py (arguments, the rows of the two engines),
+and the source digest every results file records."""
 
 import importlib.util
 import json
@@ -205,6 +206,28 @@ def test_dropped_tasks_rule():
     dropped = accuracy.dropped_tasks(samples, 8192, 0.5, 500, 0)
     assert [(d["task"], d["samples"]) for d in dropped] == [("vt", 4)]
     assert dropped[0]["score"] == pytest.approx(0.4) and 0.0 <= dropped[0]["ci_low"] < 0.4 < dropped[0]["ci_high"]
+
+
+def test_source_digest_names_the_code(tmp_path):
+    """Every results file records `sources`: it changes with a byte of csrc/ or cosa/ and with a
+    file's name, not with files of other folders or suffixes (build outputs, caches)."""
+    for rel, text in (("csrc/osk/a.cuh", "x"), ("csrc/b.cu", "y"), ("cosa/c.py", "z")):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    first = common.source_digest(tmp_path)
+    assert len(first) == 12 and int(first, 16) >= 0
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "d.py").write_text("ignored")
+    (tmp_path / "cosa" / "_C.abi3.so").write_bytes(b"ignored")
+    (tmp_path / "cosa" / "__pycache__").mkdir()
+    (tmp_path / "cosa" / "__pycache__" / "c.cpython-312.pyc").write_bytes(b"ignored")
+    assert common.source_digest(tmp_path) == first
+    (tmp_path / "csrc" / "b.cu").write_text("y ")
+    changed = common.source_digest(tmp_path)
+    assert changed != first
+    (tmp_path / "csrc" / "b.cu").rename(tmp_path / "csrc" / "e.cu")
+    assert common.source_digest(tmp_path) not in (first, changed)
+    assert "sources" in common.run_metadata() and common.run_metadata()["sources"] == common.source_digest()
 
 
 def test_bootstrap_interval_on_known_distributions():
