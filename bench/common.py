@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import hashlib
 import json
 import os
 import subprocess
@@ -63,8 +64,6 @@ def source_digest(root: str | os.PathLike = REPO_ROOT) -> str:
     (their paths relative to `root`, sorted, each path and its bytes fed in turn): it names the code
     behind a result when the commit field reads -dirty or a copy of the tree has no git metadata.
     The same digest of any commit comes from its `git archive` unpacked as `root`."""
-    import hashlib
-
     root = Path(root)
     digest = hashlib.sha1()
     files = sorted(path for folder in SOURCE_DIRS for path in (root / folder).rglob("*")

@@ -423,6 +423,8 @@ __device__ __forceinline__ void select_list_fitting(const KapDeviceArgs& args, c
 // candidates. The launch picks the smallest kMaxElems that holds the longest list: the register
 // file and the shared memory that the longest sort needs are what limit how many lists an SM works
 // on at once, and a list's sort is a chain of dependent shuffles that only other lists can hide.
+// Up to 256 keys: 8 CTAs per SM, so at most 64 registers, which those sorts fit without spilling
+// (longer sorts keep the 3 CTAs, 170 registers, they had).
 template <int kStride, int kMaxElems>
 __global__ void __launch_bounds__(32 * kSelectWarps, kMaxElems <= 8 ? 8 : 3)
     kap_select_warp_kernel(const KapDeviceArgs args) {
