@@ -89,74 +89,91 @@ struct OskMainloop {
                 : 0;
   }
 
-  // Gathers key block `block` of one cache (K or V) with cp.async into the tile whose address
-  // (plus this thread's swizzled offset) is `smem_thread`; keys at or past Lk are zero-filled
-  // without being read. `src_head` points at page 0, row 0 of this thread's head_dim chunk of KV
-  // head `head_kv`; `page` is lane_page() of this block.
+  // Gathers key block `block` of one cache (K or V) with cp.async into the tile at `smem_tile`; keys
+  // at or past Lk are zero-filled without being read. The first `num_warps` producer warps share the
+  // work (warp `warp` of them): each warp copies 8-row groups (one swizzle atom high), lane l row
+  // l / 4 of the group and every fourth 16-byte chunk of that row from chunk l % 4, so that a lane's
+  // shared-memory offsets repeat from group to group. `src_head` points at page 0, row 0 of KV head
+  // head_kv; `page` is lane_page() of this block.
   __device__ static void gather_kv_block(const OskKernelParams& kp, const OskTile& t,
-                                         uint32_t smem_thread, const Element* src_head,
+                                         uint32_t smem_tile, const Element* src_head,
                                          int64_t page_stride, int64_t row_stride, int block,
-                                         int page, int row0) {
+                                         int page, int warp, int num_warps, int lane) {
+    constexpr int kGroups = kBlockN / 8;
+    constexpr int kChunksPerLane = kChunksPerRow / 4;
     const int page_mask = (1 << kp.log2_page_size) - 1;
+    const int row_in_group = lane / 4;
+    uint32_t smem_chunk[kChunksPerLane];
     CUTE_UNROLL
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int row = row0 + pass * kRowsPerPass;
+    for (int j = 0; j < kChunksPerLane; ++j) {
+      smem_chunk[j] = smem_tile + uint32_t(Traits::swizzled_offset(row_in_group, lane % 4 + 4 * j) *
+                                           sizeof(Element));
+    }
+    for (int group = warp; group < kGroups; group += num_warps) {
+      const int row = group * 8 + row_in_group;
       const int token = block * kBlockN + row;
       const int page_of_row = __shfl_sync(0xffffffffu, page,
                                           kp.log2_page_size >= 7 ? 0 : (row >> kp.log2_page_size));
       const bool live = static_cast<unsigned>(token) < static_cast<unsigned>(t.seqlen_k);
-      const Element* src =
-          src_head + static_cast<int64_t>(page_of_row) * page_stride +
-          static_cast<int64_t>(token & page_mask) * row_stride;
-      cp_async_16_zfill(smem_thread + pass * kPassBytes, live ? src : src_head, live);
+      const Element* src_row = src_head + static_cast<int64_t>(page_of_row) * page_stride +
+                               static_cast<int64_t>(token & page_mask) * row_stride;
+      // Group g starts 8 rows (one 512-element atom row) below group 0.
+      const uint32_t group_bytes = uint32_t(group * 512 * sizeof(Element));
+      CUTE_UNROLL
+      for (int j = 0; j < kChunksPerLane; ++j) {
+        const int chunk = lane % 4 + 4 * j;
+        cp_async_16_zfill(smem_chunk[j] + group_bytes, live ? src_row + chunk * 8 : src_head, live);
+      }
     }
   }
 
   // Where one cache (K or V) lives, for both load paths.
   struct KVSource {
     const CUtensorMap* tma;
-    const Element* src_head;  // this thread's chunk of KV head head_kv, page 0, row 0
+    const Element* src_head;  // KV head head_kv, page 0, row 0
     int64_t page_stride;
     int64_t row_stride;
     uint32_t smem;  // stage 0 of the tile buffer
   };
 
-  // Loads key block `block` of one cache into stage buffer `stage` and arrives on `full`, which
-  // expects one arrival per producer warp; `page` is lane_page() of the block. Whole blocks travel
-  // by TMA (warp 0: one box per page and 64-column half); the block holding Lk is gathered with
-  // cp.async by all producer threads, zero-filling the keys past Lk (the rest of that page may
-  // hold anything, NaN included, and P = 0 times NaN would still poison P V).
+  // Producer warps that load K and V: whole blocks travel by TMA, issued by one warp (the other
+  // producer warps leave once Q is loaded, taking no issue slots from the consumers); where TMA
+  // cannot address the caches, the whole warpgroup gathers every block. The full barriers expect
+  // one arrival per loading warp.
+  __host__ __device__ static int kv_load_warps(const OskKernelParams& kp) {
+    return kp.kv_tma ? 1 : Traits::kNumProducerThreads / 32;
+  }
+
+  // Loads key block `block` of one cache into stage buffer `stage` and arrives on `full`; `page` is
+  // lane_page() of the block, `warp` this warp's index among the `num_warps` loading warps. Whole
+  // blocks travel by TMA (one box per page and 64-column half); the block holding Lk is gathered
+  // with cp.async, zero-filling the keys past Lk (the rest of that page may hold anything, NaN
+  // included, and P = 0 times NaN would still poison P V).
   __device__ static void load_kv_block(const OskKernelParams& kp, const OskTile& t,
                                        const KVSource& src, int stage, int block, int page,
-                                       uint64_t* full, int thread, uint32_t thread_smem_offset,
-                                       int row0) {
-    const int lane = thread % 32;
-    const int warp = thread / 32;
+                                       uint64_t* full, int warp, int num_warps, int lane) {
     const uint32_t smem_tile = src.smem + stage * kTileBytes;
     const bool whole_block = kp.kv_tma && block >= 0 && (block + 1) * kBlockN <= t.seqlen_k;
-    if (whole_block) {
-      if (warp == 0) {
-        constexpr int kHalves = Traits::kHeadDim / 64;
-        constexpr uint32_t kHalfBytes = kBlockN * 64 * sizeof(Element);
-        const int pages = kp.log2_page_size >= 7 ? 1 : (kBlockN >> kp.log2_page_size);
-        const int box_rows = kBlockN / pages;
-        const int row_in_page =
-            kp.log2_page_size >= 7 ? (block * kBlockN) & ((1 << kp.log2_page_size) - 1) : 0;
-        if (lane == 0) { MBarrier::arrive_expect_tx(full, kTileBytes); }
-        __syncwarp();
-        const int box_page = lane / kHalves;
-        const int half = lane % kHalves;
-        const int page_of_box = __shfl_sync(0xffffffffu, page, box_page);
-        if (lane < pages * kHalves) {
-          tma_load_4d(smem_tile + half * kHalfBytes + box_page * box_rows * 64 * sizeof(Element),
-                      src.tma, full, half * 64, t.head_kv, row_in_page, page_of_box);
-        }
-      } else if (lane == 0) {
-        MBarrier::arrive(full);
+    if (whole_block) {  // one loading warp (kv_load_warps)
+      constexpr int kHalves = Traits::kHeadDim / 64;
+      constexpr uint32_t kHalfBytes = kBlockN * 64 * sizeof(Element);
+      const int log2_box_rows = kp.log2_page_size < 7 ? kp.log2_page_size : 7;  // a page or a block
+      const int pages = kBlockN >> log2_box_rows;
+      const int row_in_page =
+          kp.log2_page_size >= 7 ? (block * kBlockN) & ((1 << kp.log2_page_size) - 1) : 0;
+      if (lane == 0) { MBarrier::arrive_expect_tx(full, kTileBytes); }
+      __syncwarp();
+      const int box_page = lane / kHalves;
+      const int half = lane % kHalves;
+      const int page_of_box = __shfl_sync(0xffffffffu, page, box_page);
+      if (lane < pages * kHalves) {
+        tma_load_4d(smem_tile + half * kHalfBytes +
+                        ((box_page << log2_box_rows) * 64 * uint32_t(sizeof(Element))),
+                    src.tma, full, half * 64, t.head_kv, row_in_page, page_of_box);
       }
     } else {
-      gather_kv_block(kp, t, smem_tile + thread_smem_offset, src.src_head, src.page_stride,
-                      src.row_stride, block, page, row0);
+      gather_kv_block(kp, t, smem_tile, src.src_head, src.page_stride, src.row_stride, block, page,
+                      warp, num_warps, lane);
       MBarrier::hold_for_cp_async(full);
       __syncwarp();
       if (lane == 0) { MBarrier::arrive(full); }
@@ -189,14 +206,20 @@ struct OskMainloop {
       }
       MBarrier::arrive_on_cp_async(&storage.q_full);
     }
+    const int warp = thread / 32;
+    const int kv_warps = kv_load_warps(kp);
+    if (warp >= kv_warps) {
+      cp_async_wait_all();  // leave only once this thread's Q copies have landed
+      return;
+    }
 
     const KVSource k_src{&kp.tma_k,
                          static_cast<const Element*>(layout.k_cache) +
-                             static_cast<int64_t>(t.head_kv) * layout.k_head_stride + chunk * 8,
+                             static_cast<int64_t>(t.head_kv) * layout.k_head_stride,
                          layout.k_page_stride, layout.k_row_stride, smem_addr(storage.k)};
     const KVSource v_src{&kp.tma_v,
                          static_cast<const Element*>(layout.v_cache) +
-                             static_cast<int64_t>(t.head_kv) * layout.v_head_stride + chunk * 8,
+                             static_cast<int64_t>(t.head_kv) * layout.v_head_stride,
                          layout.v_page_stride, layout.v_row_stride, smem_addr(storage.v)};
     const int32_t* list =
         args.order + (static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row) *
@@ -205,8 +228,8 @@ struct OskMainloop {
     auto load_v = [&](int k, int block, int page) {
       const int stage = k % kStages;
       MBarrier::wait(&storage.v_empty[stage], ((k / kStages) & 1) ^ 1);
-      load_kv_block(kp, t, v_src, stage, block, page, &storage.v_full[stage], thread,
-                    thread_smem_offset, row0);
+      load_kv_block(kp, t, v_src, stage, block, page, &storage.v_full[stage], warp, kv_warps,
+                    lane);
     };
 
     // K of list entry k goes out before V of entry k-1 (the consumers need S before P V). The list
@@ -221,8 +244,8 @@ struct OskMainloop {
     for (int k = 0; k < t.count; ++k) {
       const int stage = k % kStages;
       MBarrier::wait(&storage.k_empty[stage], ((k / kStages) & 1) ^ 1);
-      load_kv_block(kp, t, k_src, stage, block, page, &storage.k_full[stage], thread,
-                    thread_smem_offset, row0);
+      load_kv_block(kp, t, k_src, stage, block, page, &storage.k_full[stage], warp, kv_warps,
+                    lane);
       const int next = k + 1;
       if ((next & 31) == 0 && next < t.count) {
         list_window = next + lane < t.count ? list[next + lane] : 0;

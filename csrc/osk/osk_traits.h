@@ -26,12 +26,13 @@ struct OskTraits {
   static constexpr int kNumConsumerWarpgroups = 2;
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpgroups;
   static constexpr int kNumThreads = kNumProducerThreads + kNumConsumerThreads;
-  // setmaxnreg split: 128 * 80 + 256 * 208 = 63488 <= 65536 registers of the SM (the producer
-  // spills below 80 with its unrolled cp.async gather; the consumers fit in 200).
+  // setmaxnreg split: 128 * 80 + 256 * 208 = 63488, within the 168 * 384 = 64512 registers the
+  // CTA is launched with (setmaxnreg.inc waits forever for registers the CTA does not hold). The
+  // producer spills below 48; the consumers fit in 200.
   static constexpr int kProducerRegisters = 80;
   static constexpr int kConsumerRegisters = 208;
 
-  // 16-byte chunks: how the producer warpgroup covers a 128 x kHeadDim tile.
+  // 16-byte chunks: how the producer warpgroup covers the 128 x kHeadDim Q tile.
   static constexpr int kChunksPerRow = kHeadDim * int(sizeof(Element)) / 16;
   static constexpr int kRowsPerPass = kNumProducerThreads / kChunksPerRow;
   static constexpr int kPasses = kBlockN / kRowsPerPass;
