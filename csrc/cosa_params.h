@@ -88,7 +88,8 @@ struct OskParams {
   const int32_t* counts = nullptr;  // [num_heads_q, num_q_blocks]
   float delta = float(COSA_DEFAULT_DELTA);  // <= 0 disables the in-kernel skip
   VoteScope vote = VoteScope::COSA_DEFAULT_VOTE_SCOPE;
-  // out: [total_q, num_heads_q, head_dim], same dtype as q, head_dim contiguous.
+  // out: [total_q, num_heads_q, head_dim], same dtype as q, head_dim contiguous; written in
+  // 16-byte chunks, so its base is 16-byte aligned and its strides are multiples of 8 elements.
   void* out = nullptr;
   int64_t out_row_stride = 0, out_head_stride = 0;
   float* lse = nullptr;        // [num_heads_q, total_q], contiguous

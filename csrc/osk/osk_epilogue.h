@@ -1,6 +1,7 @@
 // OSK epilogue: out = O / l (rows past Lq not written), lse = m + ln(l) in natural-log units, and
 // skipped[h, g] (the two warpgroups' counts of skipped 64-row halves, summed). A row that saw no
-// live key (l == 0, e.g. a tile with an empty list) gets out = 0 and lse = -inf.
+// live key (l == 0, e.g. a tile with an empty list) gets out = 0 and lse = -inf. O reaches global
+// memory through shared memory, in whole 16-byte chunks of its rows.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -34,25 +35,44 @@ struct OskEpilogue {
       lse[rh] = empty ? -INFINITY : softmax.max[rh] * layout.softmax_scale + logf(sum[rh]);
     }
 
-    Element* out_head = static_cast<Element*>(args.out) +
-                        static_cast<int64_t>(t.head) * args.out_head_stride;
+    // Each warpgroup stages its 64 rows of O, normalised and rounded, in its own 64 rows of the Q
+    // tile (only its own S = Q K^T read them, and every wgmma has completed), then copies them out
+    // one 16-byte chunk per thread and pass: a warp's store covers two whole rows instead of 16
+    // bytes of each of eight rows (whole 32-byte sectors, a sixteenth of the store instructions).
+    Element* staged = storage.q;
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      const int row_in_seq =
-          t.block_in_seq * Traits::kBlockM + AccumulatorLayout::tile_row(warp, lane, rh);
-      if (row_in_seq >= t.seqlen_q) { continue; }
-      const int token = t.q_start + row_in_seq;
-      Element* out_row = out_head + static_cast<int64_t>(token) * args.out_row_stride;
+      const int row = AccumulatorLayout::tile_row(warp, lane, rh);
       CUTE_UNROLL
       for (int n = 0; n < Traits::kHeadDim / 8; ++n) {
-        const int col = 8 * n + 2 * (lane % 4);
         cutlass::Array<Element, 2> pair;
         pair[0] = Element(tOrO(4 * n + 2 * rh) * inv_sum[rh]);
         pair[1] = Element(tOrO(4 * n + 2 * rh + 1) * inv_sum[rh]);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(
+            staged + Traits::swizzled_offset(row, n) + 2 * (lane % 4)) = pair;
       }
-      if (lane % 4 == 0) {
-        args.lse[static_cast<int64_t>(t.head) * layout.total_q + token] = lse[rh];
+      const int row_in_seq = t.block_in_seq * Traits::kBlockM + row;
+      if (lane % 4 == 0 && row_in_seq < t.seqlen_q) {
+        args.lse[static_cast<int64_t>(t.head) * layout.total_q + t.q_start + row_in_seq] = lse[rh];
+      }
+    }
+    const int warpgroup = thread / 128;
+    named_barrier_sync(kEpilogueStageBarrier + warpgroup, 128);
+
+    constexpr int kChunksPerRow = Traits::kChunksPerRow;
+    constexpr int kRowsPerPass = 128 / kChunksPerRow;
+    const int chunk = thread % kChunksPerRow;
+    Element* out_head = static_cast<Element*>(args.out) +
+                        static_cast<int64_t>(t.head) * args.out_head_stride + chunk * 8;
+    CUTE_UNROLL
+    for (int pass = 0; pass < 64 / kRowsPerPass; ++pass) {
+      const int row = warpgroup * 64 + (thread % 128) / kChunksPerRow + pass * kRowsPerPass;
+      const int row_in_seq = t.block_in_seq * Traits::kBlockM + row;
+      if (row_in_seq < t.seqlen_q) {
+        const uint4 value =
+            *reinterpret_cast<const uint4*>(staged + Traits::swizzled_offset(row, chunk));
+        *reinterpret_cast<uint4*>(
+            out_head + static_cast<int64_t>(t.q_start + row_in_seq) * args.out_row_stride) = value;
       }
     }
 

@@ -62,6 +62,7 @@ enum NamedBarrierId : uint32_t {
   kWarpgroupVoteBarrier = 9,   // 9, 10: one consumer warpgroup's own vote
   kSchedulerBarrier = 11,      // 11, 12: whose turn it is to issue its GEMMs (ping-pong)
   kEpilogueBarrier = 13,       // both consumer warpgroups: the skip counts are combined
+  kEpilogueStageBarrier = 14,  // 14, 15: one consumer warpgroup's O is staged in shared memory
 };
 
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {

@@ -57,6 +57,10 @@ struct OskTileScheduler {
     t.head = linear % layout.num_heads_q;
     t.row = layout.num_q_blocks - 1 - linear / layout.num_heads_q;
     t.head_kv = t.head / kp.heads_per_kv;
+    // KAP's output when OSK follows it: read only past the kernel's grid-dependency wait, and
+    // before the lookup below, which it does not depend on, so that the two loads overlap (a
+    // padding row's count is read but not used).
+    const int count = kp.args.counts[static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row];
     // Every thread of the CTA calls this with the same tile, so each warp locates it together.
     const QueryBlock block = locate_query_block(layout, t.row);
     if (!block.valid) return t;
@@ -66,8 +70,7 @@ struct OskTileScheduler {
     t.seqlen_q = block.seqlen_q;
     t.seqlen_k = block.seqlen_k;
     t.diagonal = block.diagonal;
-    // KAP's output when OSK follows it: read only past the kernel's grid-dependency wait.
-    t.count = kp.args.counts[static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row];
+    t.count = count;
     t.valid = true;
     return t;
   }
