@@ -60,7 +60,7 @@ struct OskEpilogue {
     named_barrier_sync(kEpilogueStageBarrier + warpgroup, 128);
 
     constexpr int kChunksPerRow = Traits::kChunksPerRow;
-    constexpr int kRowsPerPass = 128 / kChunksPerRow;
+    constexpr int kRowsPerPass = Traits::kRowsPerPass;  // a warpgroup's 16-byte chunks per pass
     const int chunk = thread % kChunksPerRow;
     Element* out_head = static_cast<Element*>(args.out) +
                         static_cast<int64_t>(t.head) * args.out_head_stride + chunk * 8;

@@ -117,8 +117,8 @@ struct OskMainloop {
       const bool live = static_cast<unsigned>(token) < static_cast<unsigned>(t.seqlen_k);
       const Element* src_row = src_head + static_cast<int64_t>(page_of_row) * page_stride +
                                static_cast<int64_t>(token & page_mask) * row_stride;
-      // Group g starts 8 rows (one 512-element atom row) below group 0.
-      const uint32_t group_bytes = uint32_t(group * 512 * sizeof(Element));
+      // Group g starts 8 rows (one swizzle atom) below group 0.
+      const uint32_t group_bytes = uint32_t(Traits::swizzled_offset(group * 8, 0) * sizeof(Element));
       CUTE_UNROLL
       for (int j = 0; j < kChunksPerLane; ++j) {
         const int chunk = lane % 4 + 4 * j;
@@ -140,7 +140,7 @@ struct OskMainloop {
   // producer warps leave once Q is loaded, taking no issue slots from the consumers); where TMA
   // cannot address the caches, the whole warpgroup gathers every block. The full barriers expect
   // one arrival per loading warp.
-  __host__ __device__ static int kv_load_warps(const OskKernelParams& kp) {
+  __device__ static int kv_load_warps(const OskKernelParams& kp) {
     return kp.kv_tma ? 1 : Traits::kNumProducerThreads / 32;
   }
 

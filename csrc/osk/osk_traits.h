@@ -32,7 +32,8 @@ struct OskTraits {
   static constexpr int kProducerRegisters = 80;
   static constexpr int kConsumerRegisters = 208;
 
-  // 16-byte chunks: how the producer warpgroup covers the 128 x kHeadDim Q tile.
+  // 16-byte chunks: how a warpgroup (128 threads) covers a 128 x kHeadDim tile, one chunk per
+  // thread and pass: the producer's Q load, the epilogue's O store (64 rows per warpgroup).
   static constexpr int kChunksPerRow = kHeadDim * int(sizeof(Element)) / 16;
   static constexpr int kRowsPerPass = kNumProducerThreads / kChunksPerRow;
   static constexpr int kPasses = kBlockN / kRowsPerPass;
