@@ -268,7 +268,7 @@ struct OskMainloop {
   // The tile's list in order: S = Q K^T, mask, row max, vote, online softmax, O += P V. Leaves O
   // unnormalised in tOrO, the row state in `softmax` and this warpgroup's count of skipped blocks
   // in `skipped`.
-  template <class FragO>
+  template <bool kSkip, class FragO>
   __device__ static void mma(const OskKernelParams& kp, const OskTile& t, Storage& storage,
                              FragO& tOrO, OnlineSoftmax& softmax, int& skipped) {
     using TiledMmaQK = typename Traits::TiledMmaQK;
@@ -317,8 +317,9 @@ struct OskMainloop {
     }
 
     // tau = ln(delta / N) in scaled-logit units; compared here on raw logits. delta <= 0 or
-    // delta >= N switches the skip off for this sequence (spec section 3).
-    const bool skip_enabled = args.delta > 0.f && args.delta < float(t.seqlen_k);
+    // delta >= N switches the skip off for this sequence (spec section 3); a launch with delta <= 0
+    // compiles the vote out (kSkip).
+    const bool skip_enabled = kSkip && args.delta > 0.f && args.delta < float(t.seqlen_k);
     const float tau_raw =
         skip_enabled ? logf(args.delta / float(t.seqlen_k)) / layout.softmax_scale : 0.f;
     const SkipVote vote(args.vote, warpgroup);
@@ -336,12 +337,13 @@ struct OskMainloop {
     // measured no faster, docs/perf-notes.md). `pv_pending` says P (in tOrP) and its V stage still
     // await that product.
     //
-    // One step per list entry, compiled twice: with a P V product to issue (kPvPending) and
-    // without. Within each version every wgmma issued is waited for on every path, so ptxas can
-    // prove that no accumulator is read while a wgmma writing it may be in flight; a runtime flag
-    // tested around the issue and around the wait instead makes it serialise every wgmma of the
-    // kernel (ptxas C7514), which costs the overlap.
-    bool pv_pending = false;
+    // One step per list entry, compiled four times: with a P V product to issue (kPvPending) or
+    // without, and for a block that needs the mask (kMasked) or not. Within each version every
+    // wgmma issued is waited for on every path, so ptxas can prove that no accumulator is read
+    // while a wgmma writing it may be in flight; a runtime flag tested around the issue and around
+    // the wait instead makes it serialise every wgmma of the kernel (ptxas C7514), which costs the
+    // overlap. The common step (a P V pending, no mask) runs in a loop of its own, with no branch
+    // to another version and no mask test between S and the row max.
     int pv_stage = 0;
     uint32_t pv_parity = 0;
     auto finish_pv = [&]() {
@@ -352,9 +354,9 @@ struct OskMainloop {
       if (lane == 0) { MBarrier::arrive(&storage.v_empty[pv_stage]); }
     };
     // Returns whether the step left a P awaiting its P V product (false when the block was skipped).
-    auto step = [&](int k, auto pv_pending_tag) -> bool {
+    auto step = [&](int k, int block, auto pv_pending_tag, auto masked_tag) -> bool {
       constexpr bool kPvPending = decltype(pv_pending_tag)::value;
-      const int block = __ldg(list + k);
+      constexpr bool kMasked = decltype(masked_tag)::value;
       const int stage = warp_uniform(k % kStages);
       const uint32_t parity = (k / kStages) & 1;
 
@@ -376,7 +378,7 @@ struct OskMainloop {
       if (lane == 0) { MBarrier::arrive(&storage.k_empty[stage]); }
 
       // Rows past Lq are not masked: they never vote and are never stored.
-      if (mask.needed(block, kBlockN)) { mask.apply(tSrS, block, kBlockN, lane); }
+      if constexpr (kMasked) { mask.apply(tSrS, block, kBlockN, lane); }
       float block_max[2];
       float new_max[2];
       OnlineSoftmax::block_max(tSrS, block_max);
@@ -420,8 +422,19 @@ struct OskMainloop {
       pv_parity = parity;
       return true;
     };
-    for (int k = 0; k < t.count; ++k) {
-      pv_pending = pv_pending ? step(k, cute::true_type{}) : step(k, cute::false_type{});
+    // The list entry of the next step is read one step ahead: which version runs depends on it.
+    int next_block = __ldg(list);
+    auto run_step = [&](int k, auto pv_pending_tag) -> bool {
+      const int block = next_block;
+      if (k + 1 < t.count) { next_block = __ldg(list + k + 1); }
+      return mask.needed(block, kBlockN) ? step(k, block, pv_pending_tag, cute::true_type{})
+                                         : step(k, block, pv_pending_tag, cute::false_type{});
+    };
+    bool pv_pending = false;
+    int k = 0;
+    while (k < t.count) {
+      pv_pending = run_step(k++, cute::false_type{});  // until a block is computed
+      while (pv_pending && k < t.count) { pv_pending = run_step(k++, cute::true_type{}); }
     }
     if (pv_pending) {
       MBarrier::wait(&storage.v_full[pv_stage], pv_parity);
