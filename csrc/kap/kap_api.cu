@@ -92,21 +92,23 @@ __global__ void __launch_bounds__(kIndexThreads)
   }
 }
 
+// The warp select kernel in the version whose longest sort (32 * kMaxElems keys, from 64 up to
+// kWarpSortMax) holds the problem's longest list; the host side of select_list_fitting.
+template <int kStride, int kMaxElems = 2>
+cudaError_t launch_select_warp(const KapDeviceArgs& args, cudaStream_t stream) {
+  if constexpr (32 * kMaxElems < kWarpSortMax) {
+    if (args.layout.max_k_blocks > 32 * kMaxElems) {
+      return launch_select_warp<kStride, 2 * kMaxElems>(args, stream);
+    }
+  }
+  const dim3 grid((args.layout.num_q_blocks + kSelectWarps - 1) / kSelectWarps, args.head_count);
+  return launch_dependent(kap_select_warp_kernel<kStride, kMaxElems>, grid,
+                          dim3(32 * kSelectWarps), 0, stream, args);
+}
+
 template <int kStride>
 cudaError_t launch_select(const KapDeviceArgs& args, cudaStream_t stream) {
-  if (args.layout.max_k_blocks <= kWarpSortMax) {
-    const dim3 grid((args.layout.num_q_blocks + kSelectWarps - 1) / kSelectWarps, args.head_count);
-    // The version whose longest sort (32 * kMaxElems keys) holds the problem's longest list.
-    auto launch = [&](auto kernel) {
-      return launch_dependent(kernel, grid, dim3(32 * kSelectWarps), 0, stream, args);
-    };
-    const int max_k_blocks = args.layout.max_k_blocks;
-    if (max_k_blocks <= 64) return launch(kap_select_warp_kernel<kStride, 2>);
-    if (max_k_blocks <= 128) return launch(kap_select_warp_kernel<kStride, 4>);
-    if (max_k_blocks <= 256) return launch(kap_select_warp_kernel<kStride, 8>);
-    if (max_k_blocks <= 512) return launch(kap_select_warp_kernel<kStride, 16>);
-    return launch(kap_select_warp_kernel<kStride, 32>);
-  }
+  if (args.layout.max_k_blocks <= kWarpSortMax) { return launch_select_warp<kStride>(args, stream); }
   const size_t smem = select_smem_bytes(args.layout.max_k_blocks);
   auto kernel = kap_select_block_kernel<kStride>;
   if (smem > 48 * 1024) {
