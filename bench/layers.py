@@ -19,6 +19,10 @@ freed. Then, per layer:
                   the kept sets (iou_vs_native) and the share of each query block's exact attention
                   mass that the kept blocks hold (mass_native, mass_fp8)
 
+With ``--lists-only`` nothing is timed, and the run needs no GPU (``--device cpu`` captures on the CPU
+and computes the lists with the ops' CPU path, the PyTorch reference): per layer only the ``kap`` and
+``kap-fp8`` rows, their stage-1 budgets and the fp8 lists' agreement with the native ones.
+
 Each row has the median time, the stage-1 and realised budgets (cosa.prefill's statistics; 1 for the
 dense rows; the stage-1 budget of its lists for kap) and the error against a float32 dense reference
 on 8 query blocks spread over the prompt, every head: ``rel_err`` = ||out - ref|| / ||ref|| over
@@ -27,7 +31,7 @@ those rows, ``max_row_err`` the largest of the same ratio for one (query, head) 
 their device checks on, as a default call does.
 
     python bench/layers.py --model DIR|FILE.gguf --haystack DIR [--n 32768] [--layers 2,8,14,20,27]
-                           [--seed 0] [--plot] [--out bench/results]
+                           [--lists-only] [--device auto|cuda|cpu] [--seed 0] [--plot] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from common import (REPO_ROOT, argument_parser, finish_report, format_table, pro
 from kernel import (BLOCK, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense, guarded,  # noqa: E402
                     load_fa4, one_line, reference_rows, rows_of, sdpa)
 import proxies  # noqa: E402
+from cosa.layout import paged_from_contiguous  # noqa: E402
 
 # cosa.prefill's keyword arguments of each CoSA row, over the wrapper's defaults.
 COSA_VARIANTS = {"cosa": {}, "cosa-noskip": {"delta": 0.0}, "cosa-tile": {"vote": "tile"},
@@ -58,6 +63,8 @@ TABLE_COLUMNS = ("layer", "n", "impl", "ms", "x_cudnn", "x_fa4", "stage1_budget"
                  "max_row_err", "iou_vs_native", "mass_native", "mass_fp8")
 SUMMARY_COLUMNS = ("impl", "layers", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
                    "max_row_err", "iou_vs_native", "mass_native", "mass_fp8")
+LISTS_COLUMNS = ("layer", "n", "impl", "stage1_budget", "iou_vs_native", "mass_native", "mass_fp8")
+PRECISION_IMPLS = {"native": "kap", "fp8": "kap-fp8"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,6 +110,51 @@ def capture_layers(model_path: str, haystack: str, n: int, layers: list[int] | N
     facts = {"model": name, "num_layers": num_layers, "layers": layers, "hq": q.shape[1], "hkv": k.shape[1],
              "d": q.shape[2]}
     return {layer: (*captured[layer], scales.get(layer)) for layer in layers}, facts
+
+
+# ---------------------------------------------------------------------------------------------
+# KAP's lists at both proxy precisions
+# ---------------------------------------------------------------------------------------------
+
+
+def list_agreement(lists: dict, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> dict:
+    """How the fp8 lists compare with the native ones (``lists``: precision -> ``(order, counts)``):
+    ``iou_vs_native``, the intersection over union of the kept sets summed over (head, query block),
+    and ``mass_native``/``mass_fp8``, the share of each query block's exact attention mass that its
+    kept blocks hold, averaged over (head, query block)."""
+    mass = proxies.oracle_mass(q, k, scale)
+    kept = {precision: proxies.lists_to_mask(*lists[precision]) for precision in lists}
+    union = int((kept["native"] | kept["fp8"]).sum())
+    return {"iou_vs_native": int((kept["native"] & kept["fp8"]).sum()) / max(union, 1),
+            "mass_native": proxies.mask_metrics(kept["native"], kept["native"], mass)["mass"],
+            "mass_fp8": proxies.mask_metrics(kept["fp8"], kept["native"], mass)["mass"]}
+
+
+def report_agreement(layer: int, comparison: dict) -> None:
+    progress(f"  layer {layer} kap-fp8 against kap: IoU {comparison['iou_vs_native']:.4f}, attention mass "
+             f"kept {100 * comparison['mass_native']:.2f}% (native) / {100 * comparison['mass_fp8']:.2f}% (fp8)")
+
+
+def stage1_budget(counts: torch.Tensor) -> float:
+    return int(counts.sum()) / causal_blocks(counts.shape[1], counts.shape[0])
+
+
+def lists_rows(cosa_mod, layer: int, q, k, scale: float | None) -> list[dict]:
+    """``--lists-only``: the ``kap`` and ``kap-fp8`` rows of one layer, untimed, on q's device (the
+    CUDA kernels, or on the CPU the reference)."""
+    n = q.shape[0]
+    layout = paged_from_contiguous(q, k)
+    lists, rows = {}, []
+    for precision, impl in PRECISION_IMPLS.items():
+        lists[precision] = cosa_mod.kap(*(layout[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q",
+                                                                     "seqused_k", "max_seqlen_q", "max_seqlen_k")),
+                                        softmax_scale=scale, proxy_precision=precision)
+        rows.append({"kind": "lists", "layer": layer, "n": n, "impl": impl,
+                     "stage1_budget": stage1_budget(lists[precision][1])})
+    comparison = list_agreement(lists, q, k, scale)
+    rows[-1].update(comparison)
+    report_agreement(layer, comparison)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,29 +257,19 @@ class LayerRun:
         self.add(layer, impl, time_ms(run), check, out, stats["stage1_budget"], stats["realised_budget"])
 
     def kap_rows(self, layer, s: InputSet, check: Check, scale):
-        """KAP alone at each proxy precision (rows ``kap``, ``kap-fp8``). The fp8 row also holds how
-        its lists compare with the native ones: ``iou_vs_native``, the intersection over union of the
-        kept sets summed over (head, query block), and ``mass_native``/``mass_fp8``, the share of each
-        query block's exact attention mass that its kept blocks hold, averaged over (head, query block)."""
+        """KAP alone at each proxy precision (rows ``kap``, ``kap-fp8``); the fp8 row also holds how its
+        lists compare with the native ones (:func:`list_agreement`)."""
         n = check.n
         lists = {}
-        for precision in ("native", "fp8"):
+        for precision, impl in PRECISION_IMPLS.items():
             run = lambda: self.cosa.kap(s.q, s.k_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
                                         s.seqused_k, n, n, softmax_scale=scale, proxy_precision=precision)
             order, counts = run()
-            stage1 = int(counts.sum()) / causal_blocks(counts.shape[1], counts.shape[0])
-            self.add(layer, "kap" if precision == "native" else f"kap-{precision}", time_ms(run), check,
-                     stage1=stage1, realised=None)
+            self.add(layer, impl, time_ms(run), check, stage1=stage1_budget(counts), realised=None)
             lists[precision] = (order, counts)
-        mass = proxies.oracle_mass(s.q, s.k, scale)
-        kept = {precision: proxies.lists_to_mask(*lists[precision]) for precision in lists}
-        union = int((kept["native"] | kept["fp8"]).sum())
-        comparison = {"iou_vs_native": int((kept["native"] & kept["fp8"]).sum()) / max(union, 1),
-                      "mass_native": proxies.mask_metrics(kept["native"], kept["native"], mass)["mass"],
-                      "mass_fp8": proxies.mask_metrics(kept["fp8"], kept["native"], mass)["mass"]}
+        comparison = list_agreement(lists, s.q, s.k, scale)
         self.rows[-1].update(comparison)
-        progress(f"  layer {layer} kap-fp8 against kap: IoU {comparison['iou_vs_native']:.4f}, attention mass "
-                 f"kept {100 * comparison['mass_native']:.2f}% (native) / {100 * comparison['mass_fp8']:.2f}% (fp8)")
+        report_agreement(layer, comparison)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,6 +350,34 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     return save_figure(fig, path)
 
 
+def plot_agreement(rows: list[dict], path: Path, title: str) -> bool:
+    """``--lists-only``: per layer, the kept-set IoU of the fp8 lists against the native ones, and the
+    attention mass each precision's lists keep. False when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fp8 = sorted((r for r in rows if r["impl"] == "kap-fp8"), key=lambda r: r["layer"])
+    xs = range(len(fp8))
+    fig, (ax_iou, ax_mass) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_iou.bar(xs, [r["iou_vs_native"] for r in fp8], 0.6, color="C1")
+    ax_iou.set_ylim(min(r["iou_vs_native"] for r in fp8) - 0.02, 1.0)
+    ax_iou.set_ylabel("kept-set IoU, fp8 against native")
+    for offset, key, label in ((-0.15, "mass_native", "native"), (0.15, "mass_fp8", "fp8")):
+        ax_mass.bar([x + offset for x in xs], [r[key] for r in fp8], 0.3, label=label)
+    ax_mass.set_ylim(min(min(r["mass_native"], r["mass_fp8"]) for r in fp8) - 0.02, 1.0)
+    ax_mass.set_ylabel("exact attention mass kept")
+    ax_mass.legend(fontsize=8)
+    for ax in (ax_iou, ax_mass):
+        ax.set_xticks(list(xs), [str(r["layer"]) for r in fp8])
+        ax.set_xlabel("layer")
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_title(title, fontsize=9)
+    return save_figure(fig, path)
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
@@ -332,11 +402,18 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=layer_list, default=None,
                    help="comma-separated layer indices (default five spread over the depth: 2,8,14,20,27 of 28)")
     p.add_argument("--seed", type=int, default=0, help="where in the text the prompt starts, and the page order")
+    p.add_argument("--lists-only", action="store_true",
+                   help="time nothing: per layer only KAP's native and fp8 lists and how they agree (any device)")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="where the model and the ops run (auto, the default: the GPU when torch sees one); "
+                        "cpu only with --lists-only, where the ops run as the PyTorch reference")
     p.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"), help="folder for the results")
     args = p.parse_args(argv)
     if args.n <= 0 or args.n % BLOCK:
         p.error("--n must be a positive multiple of 128")
+    if args.device == "cpu" and not args.lists_only:
+        p.error("--device cpu needs --lists-only: the timed rows run the CUDA kernels")
     if not Path(args.model).exists():
         p.error(f"--model: {args.model} does not exist")
     if not any(Path(args.haystack).glob("*.txt")):
@@ -344,8 +421,37 @@ def parse_args(argv=None):
     return args
 
 
+def lists_main(args) -> int:
+    """``--lists-only``: capture on ``args.device``, then KAP's lists of every layer at both precisions."""
+    import cosa
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not cosa.cuda_kernels_available():
+        print("bench/layers.py --lists-only on a GPU needs cosa built with its CUDA kernels; use --device cpu for "
+              "the reference", file=sys.stderr)
+        return 2
+    meta, json_path = start_run(args.out, "layers")
+    captured, facts = capture_layers(args.model, args.haystack, args.n, args.layers, args.seed, device)
+    config = {**facts, "n": args.n, "dtype": "bfloat16", "haystack": Path(args.haystack).name, "seed": args.seed,
+              "lists_only": True, "device": device, "cosa_defaults": prefill_defaults(cosa)}
+    rows: list[dict] = []
+    for layer in facts["layers"]:
+        progress(f"layer {layer}")
+        q, k, _, scale = captured.pop(layer)
+        rows += lists_rows(cosa, layer, q, k, scale)
+        write_json(json_path, {**meta, "config": config, "rows": rows, "failures": []})
+    if args.plot and rows:
+        png = json_path.with_suffix(".png")
+        shown = plot_agreement(rows, png, f"{facts['model']}, {args.n} tokens, lists on {device}")
+        progress(f"plot -> {png}" if shown else "no plot: matplotlib is not installed")
+    print(format_table(rows, LISTS_COLUMNS))
+    return finish_report(json_path, [])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.lists_only:
+        return lists_main(args)
     require_cuda("bench/layers.py")
     import cosa
 

@@ -529,9 +529,12 @@ def test_layers_arguments(tmp_path, haystack_dir):
     args = layers.parse_args(base)
     assert (args.n, args.layers, args.seed, args.plot) == (32768, None, 0, False)
     assert layers.parse_args(base + ["--layers", "27,2,8,2", "--n", "8192"]).layers == [2, 8, 27]
+    lists = layers.parse_args(base + ["--lists-only", "--device", "cpu"])
+    assert (lists.lists_only, lists.device) == (True, "cpu") and not args.lists_only
     empty = tmp_path / "empty"
     empty.mkdir()
     for argv in (base + ["--layers", "2,x"], base + ["--layers", "-1"], base + ["--n", "1000"],
+                 base + ["--device", "cpu"], base + ["--lists-only", "--device", "tpu"],
                  ["--model", str(model)], ["--model", str(tmp_path / "absent"), "--haystack", str(haystack_dir)],
                  ["--model", str(model), "--haystack", str(empty)]):
         with pytest.raises(SystemExit):
@@ -642,6 +645,31 @@ def test_layers_one_layer_on_the_cpu(monkeypatch):
     assert rows["kap"]["rel_err"] is None and rows["kap"]["realised_budget"] is None
     fp8 = rows["kap-fp8"]
     assert 0.9 < fp8["iou_vs_native"] <= 1 and 0 < fp8["mass_fp8"] <= 1 and 0 < fp8["mass_native"] <= 1
+
+
+def test_layers_lists_only_on_the_cpu(tiny_model_dir, haystack_dir, tmp_path):
+    """--lists-only runs without a GPU: the capture and both precisions' lists on the CPU (the
+    reference), each fp8 row's agreement computed from the lists it reports on."""
+    from cosa import reference as R
+
+    rc = layers.main(["--model", str(tiny_model_dir), "--haystack", str(haystack_dir), "--n", "512",
+                      "--layers", "0,1", "--lists-only", "--device", "cpu", "--plot", "--out", str(tmp_path)])
+    assert rc == 0
+    data = only_json(tmp_path, "layers")
+    assert data["config"]["lists_only"] and data["config"]["device"] == "cpu" and data["failures"] == []
+    assert [(r["layer"], r["impl"]) for r in data["rows"]] == [(0, "kap"), (0, "kap-fp8"), (1, "kap"), (1, "kap-fp8")]
+    captured, _ = layers.capture_layers(str(tiny_model_dir), str(haystack_dir), 512, [0, 1], 0, "cpu")
+    for layer, (q, k, _, scale) in captured.items():
+        lists = {precision: R.kap(*(layers.paged_from_contiguous(q, k)[name] for name in (
+            "q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k", "max_seqlen_q", "max_seqlen_k")),
+            softmax_scale=scale, proxy_precision=precision) for precision in ("native", "fp8")}
+        rows = {r["impl"]: r for r in data["rows"] if r["layer"] == layer}
+        assert rows["kap"]["stage1_budget"] == layers.stage1_budget(lists["native"][1])
+        assert rows["kap-fp8"]["stage1_budget"] == layers.stage1_budget(lists["fp8"][1])
+        expected = layers.list_agreement(lists, q, k, scale)
+        assert {key: rows["kap-fp8"][key] for key in expected} == pytest.approx(expected)
+        assert 0 < expected["iou_vs_native"] <= 1
+    assert any(tmp_path.glob("layers-*.png")) or not HAS_MATPLOTLIB
 
 
 def layer_row(layer, impl, ms, budget=1.0, rel_err=0.002):
