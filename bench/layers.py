@@ -435,17 +435,18 @@ def lists_main(args) -> int:
     config = {**facts, "n": args.n, "dtype": "bfloat16", "haystack": Path(args.haystack).name, "seed": args.seed,
               "lists_only": True, "device": device, "cosa_defaults": prefill_defaults(cosa)}
     rows: list[dict] = []
+    failures: list[str] = []
     for layer in facts["layers"]:
         progress(f"layer {layer}")
         q, k, _, scale = captured.pop(layer)
-        rows += lists_rows(cosa, layer, q, k, scale)
-        write_json(json_path, {**meta, "config": config, "rows": rows, "failures": []})
-    if args.plot and rows:
+        guarded(failures, f"layer {layer} lists", lambda: rows.extend(lists_rows(cosa, layer, q, k, scale)))
+        write_json(json_path, {**meta, "config": config, "rows": rows, "failures": failures})
+    if args.plot and any(r["impl"] == "kap-fp8" for r in rows):
         png = json_path.with_suffix(".png")
         shown = plot_agreement(rows, png, f"{facts['model']}, {args.n} tokens, lists on {device}")
         progress(f"plot -> {png}" if shown else "no plot: matplotlib is not installed")
     print(format_table(rows, LISTS_COLUMNS))
-    return finish_report(json_path, [])
+    return finish_report(json_path, failures)
 
 
 def main(argv=None) -> int:
