@@ -81,7 +81,7 @@ from common import (add_run_arguments, argument_parser, bootstrap_interval, form
 import cosa  # noqa: E402
 import proxies  # noqa: E402
 from cosa import defaults, reference  # noqa: E402
-from cosa.layout import paged_from_contiguous  # noqa: E402
+from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 METHODS = ("dense", "cosa", "kap", "kap-ascending", *proxies.PEERS)
@@ -295,10 +295,7 @@ def score_answer(text: str, answers: list[str]) -> float:
 
 def kap_lists(q: torch.Tensor, k: torch.Tensor, args, softmax_scale: float | None):
     """KAP's ordered lists ``(order, counts)`` of one sequence (``cosa.kap``: the CUDA kernel on the GPU)."""
-    layout = paged_from_contiguous(q, k)
-    return cosa.kap(*(layout[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
-                                                "max_seqlen_q", "max_seqlen_k")),
-                    stride=args.stride, top_p=args.top_p, softmax_scale=softmax_scale,
+    return cosa.kap(*kap_layout_args(paged_from_contiguous(q, k)), stride=args.stride, top_p=args.top_p, softmax_scale=softmax_scale,
                     proxy_precision=args.proxy_precision)
 
 

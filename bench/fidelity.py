@@ -41,7 +41,7 @@ from common import (add_run_arguments, argument_parser, format_table, progress, 
 import cosa  # noqa: E402
 import proxies  # noqa: E402
 from cosa import reference  # noqa: E402
-from cosa.layout import paged_from_contiguous  # noqa: E402
+from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 
 METHODS = ("oracle", "kap", "xattention", "flexprefill", "meanpool")
 MASK_COLUMNS = ("source", "n", "layer", "method", "selection", "budget", "recall", "iou", "mass", "rel_err")
@@ -120,9 +120,7 @@ def evaluate(q, k, v, source: str, layer, args) -> list[dict]:
 
 def skip_rows(q, k, layout, dense_out, base: dict, args) -> list[dict]:
     """KAP's lists at --top-p through OSK at each delta, in KAP's order and ascending."""
-    layout_args = [layout[x] for x in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
-                                       "max_seqlen_q", "max_seqlen_k")]
-    order, counts = reference.kap(*layout_args, stride=args.stride, top_p=args.top_p)
+    order, counts = reference.kap(*kap_layout_args(layout), stride=args.stride, top_p=args.top_p)
     ascending, _ = proxies.mask_to_lists(proxies.lists_to_mask(order, counts))
     n = q.shape[0]
     nq = reference.cdiv(n, reference.BLOCK)

@@ -53,7 +53,7 @@ from common import (REPO_ROOT, argument_parser, finish_report, format_table, pro
 from kernel import (BLOCK, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense, guarded,  # noqa: E402
                     load_fa4, one_line, reference_rows, rows_of, sdpa)
 import proxies  # noqa: E402
-from cosa.layout import paged_from_contiguous  # noqa: E402
+from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 
 # cosa.prefill's keyword arguments of each CoSA row, over the wrapper's defaults.
 COSA_VARIANTS = {"cosa": {}, "cosa-noskip": {"delta": 0.0}, "cosa-tile": {"vote": "tile"},
@@ -143,12 +143,10 @@ def lists_rows(cosa_mod, layer: int, q, k, scale: float | None) -> list[dict]:
     """``--lists-only``: the ``kap`` and ``kap-fp8`` rows of one layer, untimed, on q's device (the
     CUDA kernels, or on the CPU the reference)."""
     n = q.shape[0]
-    layout = paged_from_contiguous(q, k)
+    layout_args = kap_layout_args(paged_from_contiguous(q, k))
     lists, rows = {}, []
     for precision, impl in PRECISION_IMPLS.items():
-        lists[precision] = cosa_mod.kap(*(layout[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q",
-                                                                     "seqused_k", "max_seqlen_q", "max_seqlen_k")),
-                                        softmax_scale=scale, proxy_precision=precision)
+        lists[precision] = cosa_mod.kap(*layout_args, softmax_scale=scale, proxy_precision=precision)
         rows.append({"kind": "lists", "layer": layer, "n": n, "impl": impl,
                      "stage1_budget": stage1_budget(lists[precision][1])})
     comparison = list_agreement(lists, q, k, scale)

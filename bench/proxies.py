@@ -48,7 +48,7 @@ import math
 import torch
 
 from cosa import reference, testing
-from cosa.layout import paged_from_contiguous
+from cosa.layout import kap_layout_args, paged_from_contiguous
 from cosa.reference import BLOCK, cdiv
 
 # Memory bound of the chunked passes: elements of one float32 logits chunk (~1 GiB).
@@ -146,9 +146,7 @@ def oracle_mass(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None = 
 
 def kap_scores(q: torch.Tensor, k: torch.Tensor, stride: int = 8, softmax_scale: float | None = None):
     """KAP's block scores ``S`` and HRM flags ``H`` ``[Hq, nq, nk]`` (``cosa.reference.kap_scores``)."""
-    layout = paged_from_contiguous(q, k)
-    args = [layout[n] for n in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
-                                "max_seqlen_q", "max_seqlen_k")]
+    args = kap_layout_args(paged_from_contiguous(q, k))
     scores, hrm = reference.kap_scores(*args, stride=stride, softmax_scale=softmax_scale)
     return scores.float(), hrm
 
@@ -162,9 +160,7 @@ def kap_rank(scores: torch.Tensor, hrm: torch.Tensor) -> torch.Tensor:
 def kap_mask(q: torch.Tensor, k: torch.Tensor, stride: int = 8, top_p: float = 0.95,
              softmax_scale: float | None = None) -> torch.Tensor:
     """The mask of KAP's own lists (``cosa.reference.kap``, spec section 2.6)."""
-    layout = paged_from_contiguous(q, k)
-    args = [layout[n] for n in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
-                                "max_seqlen_q", "max_seqlen_k")]
+    args = kap_layout_args(paged_from_contiguous(q, k))
     order, counts = reference.kap(*args, stride=stride, top_p=top_p, softmax_scale=softmax_scale)
     return lists_to_mask(order, counts)
 

@@ -7,6 +7,16 @@ import torch
 from .reference import BLOCK, cdiv
 
 
+# The layout arguments of cosa.kap (and cosa.reference.kap / kap_scores), in their positional order.
+KAP_LAYOUT_ARGUMENTS = ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k", "max_seqlen_q", "max_seqlen_k")
+
+
+def kap_layout_args(layout: dict) -> tuple:
+    """The positional layout arguments of cosa.kap from a dict of the ops' keyword arguments (what
+    :func:`paged_from_contiguous` and ``cosa.testing.random_problem`` return)."""
+    return tuple(layout[name] for name in KAP_LAYOUT_ARGUMENTS)
+
+
 def paged_from_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> dict:
     """``q [Lq, Hq, d]``, ``k, v [Lk, Hkv, d]`` (the queries are the last ``Lq`` positions) as the
     keyword arguments of ``cosa.prefill`` and ``cosa.reference``: one page per 128 tokens, pages in

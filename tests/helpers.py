@@ -5,6 +5,7 @@ import math
 import torch
 
 from cosa import reference as R
+from cosa.layout import kap_layout_args
 
 
 def rel_err(a, b):
@@ -12,13 +13,8 @@ def rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def layout_args(p):
-    """Positional layout arguments of the KAP op/reference from a random_problem dict."""
-    return (p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"], p["max_seqlen_q"], p["max_seqlen_k"])
-
-
 def run_kap(p, **kw):
-    return R.kap(*layout_args(p), **kw)
+    return R.kap(*kap_layout_args(p), **kw)
 
 
 def run_osk(p, order, counts, **kw):

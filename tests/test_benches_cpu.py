@@ -651,6 +651,7 @@ def test_layers_lists_only_on_the_cpu(tiny_model_dir, haystack_dir, tmp_path):
     """--lists-only runs without a GPU: the capture and both precisions' lists on the CPU (the
     reference), each fp8 row's agreement computed from the lists it reports on."""
     from cosa import reference as R
+    from cosa.layout import kap_layout_args, paged_from_contiguous
 
     rc = layers.main(["--model", str(tiny_model_dir), "--haystack", str(haystack_dir), "--n", "512",
                       "--layers", "0,1", "--lists-only", "--device", "cpu", "--plot", "--out", str(tmp_path)])
@@ -660,9 +661,9 @@ def test_layers_lists_only_on_the_cpu(tiny_model_dir, haystack_dir, tmp_path):
     assert [(r["layer"], r["impl"]) for r in data["rows"]] == [(0, "kap"), (0, "kap-fp8"), (1, "kap"), (1, "kap-fp8")]
     captured, _ = layers.capture_layers(str(tiny_model_dir), str(haystack_dir), 512, [0, 1], 0, "cpu")
     for layer, (q, k, _, scale) in captured.items():
-        lists = {precision: R.kap(*(layers.paged_from_contiguous(q, k)[name] for name in (
-            "q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k", "max_seqlen_q", "max_seqlen_k")),
-            softmax_scale=scale, proxy_precision=precision) for precision in ("native", "fp8")}
+        layout_args = kap_layout_args(paged_from_contiguous(q, k))
+        lists = {precision: R.kap(*layout_args, softmax_scale=scale, proxy_precision=precision)
+                 for precision in ("native", "fp8")}
         rows = {r["impl"]: r for r in data["rows"] if r["layer"] == layer}
         assert rows["kap"]["stage1_budget"] == layers.stage1_budget(lists["native"][1])
         assert rows["kap-fp8"]["stage1_budget"] == layers.stage1_budget(lists["fp8"][1])

@@ -17,6 +17,7 @@ import torch
 
 from cosa import defaults
 from cosa import reference as R
+from cosa.layout import kap_layout_args
 from cosa.testing import random_problem
 
 import helpers
@@ -35,13 +36,8 @@ def problem(seqlens_q, seqlens_k, hq=8, hkv=2, d=128, page_size=64, dtype=torch.
                           structure=structure, seed=seed)
 
 
-def layout(p):
-    return (p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"], p["max_seqlen_q"],
-            p["max_seqlen_k"])
-
-
 def kap(ops, p, stride, top_p=defaults.TOP_P, softmax_scale=None, proxy_precision=defaults.PROXY_PRECISION):
-    order, counts = ops.kap(*layout(p), stride, top_p, softmax_scale, proxy_precision)
+    order, counts = ops.kap(*kap_layout_args(p), stride, top_p, softmax_scale, proxy_precision)
     torch.cuda.synchronize()
     return order, counts
 
@@ -109,7 +105,7 @@ def assert_shapes(p, order, counts):
 
 def assert_identical(ops, p, stride, top_p=defaults.TOP_P):
     order, counts = kap(ops, p, stride, top_p)
-    ref_order, ref_counts = R.kap(*layout(p), stride=stride, top_p=top_p)
+    ref_order, ref_counts = R.kap(*kap_layout_args(p), stride=stride, top_p=top_p)
     assert_shapes(p, order, counts)
     same = (order == ref_order).all(-1) & (counts == ref_counts)
     assert same.all(), f"{int((~same).sum())} of {same.numel()} lists differ from the reference"
@@ -120,7 +116,7 @@ def assert_valid(ops, p, stride, top_p=defaults.TOP_P, max_invalid_fraction=0.0,
     order, counts = kap(ops, p, stride, top_p, proxy_precision=proxy_precision)
     assert_shapes(p, order, counts)
     assert_padding(p, order, counts)
-    scores, hrm = R.kap_scores(*layout(p), stride=stride, proxy_precision=proxy_precision)
+    scores, hrm = R.kap_scores(*kap_layout_args(p), stride=stride, proxy_precision=proxy_precision)
     order, counts, scores, hrm = order.cpu(), counts.cpu(), scores.cpu(), hrm.cpu()
     invalid = total = 0
     for g, diagonal in query_blocks(p):
@@ -172,10 +168,10 @@ def test_structured_long_lists(ops, key_blocks):
     p = problem([300], [300 + (key_blocks - 3) * 128], hq=2, hkv=1, page_size=128, structure="needles",
                 seed=key_blocks)
     order, counts = kap(ops, p, 8, top_p=1.0)
-    ref_order, ref_counts = R.kap(*layout(p), stride=8, top_p=1.0)
+    ref_order, ref_counts = R.kap(*kap_layout_args(p), stride=8, top_p=1.0)
     assert_shapes(p, order, counts)
     assert int(counts.max()) == key_blocks and torch.equal(counts, ref_counts)
-    scores, _ = R.kap_scores(*layout(p), stride=8)
+    scores, _ = R.kap_scores(*kap_layout_args(p), stride=8)
     order, ref_order, scores = order.cpu(), ref_order.cpu(), scores.cpu()
     for g, _ in query_blocks(p):
         for h in range(order.shape[0]):
@@ -214,7 +210,7 @@ def test_scores_order_consistent(ops):
     with the reference scores up to the 1e-3 relative agreement the kernel promises."""
     p = problem([1500], [1500 + 640], hq=8, hkv=2, page_size=64, seed=5)
     order, counts = kap(ops, p, 8, top_p=1.0)
-    scores, hrm = R.kap_scores(*layout(p), stride=8)
+    scores, hrm = R.kap_scores(*kap_layout_args(p), stride=8)
     order, scores, hrm = order.cpu(), scores.cpu(), hrm.cpu()
     for g, diagonal in query_blocks(p):
         for h in range(order.shape[0]):
@@ -251,7 +247,7 @@ def test_cuda_graph_capture(ops):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = ops.kap(*layout(p), 8, defaults.TOP_P, None)
+        captured = ops.kap(*kap_layout_args(p), 8, defaults.TOP_P, None)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
@@ -273,7 +269,7 @@ def kept_set_iou(order, counts, ref_order, ref_counts):
 def assert_fp8_agrees(ops, p, stride, min_iou=0.99):
     assert_valid(ops, p, stride, max_invalid_fraction=0.03, proxy_precision="fp8", tol=FP8_TOL)
     order, counts = kap(ops, p, stride, proxy_precision="fp8")
-    ref_order, ref_counts = R.kap(*layout(p), stride=stride, proxy_precision="fp8")
+    ref_order, ref_counts = R.kap(*kap_layout_args(p), stride=stride, proxy_precision="fp8")
     assert kept_set_iou(order, counts, ref_order, ref_counts) >= min_iou
 
 
@@ -303,7 +299,7 @@ def test_fp8_nan_poisons_its_block(ops):
     page = int(p["page_table"][0, 300 // 64])
     p["k_cache"][page, 300 % 64, 1, 5] = float("nan")
     order, counts = kap(ops, p, 8, proxy_precision="fp8")
-    ref_order, ref_counts = R.kap(*layout(p), stride=8, proxy_precision="fp8")
+    ref_order, ref_counts = R.kap(*kap_layout_args(p), stride=8, proxy_precision="fp8")
     assert kept_set_iou(order, counts, ref_order, ref_counts) >= 0.99
 
 
@@ -320,5 +316,5 @@ def test_explicit_softmax_scale(ops):
     p = problem([800], [800 + 128], hq=4, hkv=2, structure="needles", seed=6)
     scale = 0.5 / math.sqrt(128)
     order, counts = kap(ops, p, 8, softmax_scale=scale)
-    ref_order, ref_counts = R.kap(*layout(p), stride=8, softmax_scale=scale)
+    ref_order, ref_counts = R.kap(*kap_layout_args(p), stride=8, softmax_scale=scale)
     assert torch.equal(order, ref_order) and torch.equal(counts, ref_counts)

@@ -9,6 +9,7 @@ import torch
 
 import cosa
 from cosa import reference as R
+from cosa.layout import kap_layout_args
 from cosa.testing import random_problem
 
 from helpers import assert_rows_close, dense_order, query_blocks, run_dense, run_kap, run_osk
@@ -151,7 +152,6 @@ def test_kap_drops_a_nan_proxy_cell_from_the_maxima():
     block maxima (as the kernel's fmaxf drops it) and the other cells score as they do on the clean
     inputs (here that cell is no block's maximum, so every score and flag is the clean one)."""
     p, _ = key_problem()
-    layout = ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k", "max_seqlen_q", "max_seqlen_k")
-    scores, hrm = R.kap_scores(*(p[n] for n in layout))
-    clean_scores, clean_hrm = R.kap_scores(*(problem()[n] for n in layout))
+    scores, hrm = R.kap_scores(*kap_layout_args(p))
+    clean_scores, clean_hrm = R.kap_scores(*kap_layout_args(problem()))
     assert torch.equal(scores, clean_scores) and torch.equal(hrm, clean_hrm)

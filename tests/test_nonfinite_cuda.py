@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cosa import reference as R
+from cosa.layout import kap_layout_args
 from cosa.testing import random_problem
 
 from helpers import assert_rows_close, dense_order, run_osk
@@ -39,19 +40,14 @@ def planted(name):
     return p
 
 
-def layout(p):
-    return (p["q"], p["k_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"], p["max_seqlen_q"],
-            p["max_seqlen_k"])
-
-
 CASES = ["q_nan", "q_inf", "k_nan", "v_nan"]
 
 
 @pytest.mark.parametrize("case", ["q_nan", "k_nan"])
 def test_kap_lists_match_the_reference(ops, case):
     p = planted(case)
-    order, counts = ops.kap(*layout(p), 8, 0.9, None)
-    ref_order, ref_counts = R.kap(*layout(p), stride=8, top_p=0.9)
+    order, counts = ops.kap(*kap_layout_args(p), 8, 0.9, None)
+    ref_order, ref_counts = R.kap(*kap_layout_args(p), stride=8, top_p=0.9)
     same = (order == ref_order).all(-1) & (counts == ref_counts)
     assert same.all(), f"{int((~same).sum())} of {same.numel()} lists differ from the reference"
 
@@ -63,7 +59,7 @@ def test_osk_rows_match_the_reference(ops, case, delta, vote):
     """On the lists of the CUDA prefill: NaN in exactly the reference's rows, every other row within
     the usual tolerance (finite lse where the reference's is finite)."""
     p = planted(case)
-    out, lse, order, counts, skipped = ops.prefill(p["q"], p["k_cache"], p["v_cache"], *layout(p)[2:], 8, 0.9, None,
+    out, lse, order, counts, skipped = ops.prefill(p["q"], p["k_cache"], p["v_cache"], *kap_layout_args(p)[2:], 8, 0.9, None,
                                                    delta, vote)
     ref_out, ref_lse, ref_skipped = run_osk(p, order, counts, delta=delta, vote=vote)
     assert bool(ref_out.isnan().any()), "the planted value reaches no row: the test checks nothing"
@@ -90,4 +86,4 @@ def test_mixed_devices_are_refused(ops, name, other):
     p = problem()
     p[name] = p[name].to(other)
     with pytest.raises(ValueError, match=f"cosa.kap: {name} must be on cuda:0 like q, got {other}"):
-        ops.kap(*layout(p), 8, 0.9, None)
+        ops.kap(*kap_layout_args(p), 8, 0.9, None)

@@ -12,9 +12,10 @@ import torch
 import cosa
 from cosa import defaults
 from cosa import reference as R
+from cosa.layout import kap_layout_args
 from cosa.testing import random_problem
 
-from helpers import assert_rows_close, dense_order, layout_args, rel_err, run_dense, run_kap, run_osk
+from helpers import assert_rows_close, dense_order, rel_err, run_dense, run_kap, run_osk
 
 
 def small_problem(device="cpu", **kw):
@@ -32,8 +33,8 @@ def prefill_args(p):
 
 def test_opcheck_all_ops(ops):
     p = small_problem()
-    order, counts = ops.kap(*layout_args(p), 8, 0.9, None)
-    torch.library.opcheck(ops.kap.default, layout_args(p) + (8, 0.9, None))
+    order, counts = ops.kap(*kap_layout_args(p), 8, 0.9, None)
+    torch.library.opcheck(ops.kap.default, kap_layout_args(p) + (8, 0.9, None))
     torch.library.opcheck(ops.osk.default, (p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"],
                                             p["seqused_k"], order, counts, p["max_seqlen_q"], None, 100.0))
     torch.library.opcheck(ops.prefill.default, prefill_args(p) + (8, 0.9, None, 100.0))
@@ -282,7 +283,7 @@ def test_mixed_devices_are_refused_by_osk_and_kap(ops):
     with pytest.raises(ValueError, match="cosa.osk: counts must be on cpu like q, got meta"):
         cosa.osk(*base, order, counts.to("meta"))
     with pytest.raises(ValueError, match="cosa.kap: k_cache must be on meta like q, got cpu"):
-        ops.kap(p["q"].to("meta"), *layout_args(p)[1:])
+        ops.kap(p["q"].to("meta"), *kap_layout_args(p)[1:])
     with pytest.raises(ValueError, match="cosa.sparse_attention: v must be on cpu like q, got meta"):
         q = torch.zeros(1, 128, 2, 64, dtype=torch.bfloat16)
         cosa.sparse_attention(q, q, q.to("meta"))

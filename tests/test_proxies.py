@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cosa import reference as R
-from cosa.layout import paged_from_contiguous
+from cosa.layout import kap_layout_args, paged_from_contiguous
 from cosa.testing import random_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -125,9 +125,7 @@ def test_kap_rank_puts_hrm_first_and_matches_kap_lists():
     lowest_hrm = torch.where(hrm, rank, math.inf).amin(-1)
     highest_other = torch.where(~hrm & torch.isfinite(rank), rank, -math.inf).amax(-1)
     assert (lowest_hrm >= highest_other).all()
-    layout = paged_from_contiguous(q, k)
-    order, counts = R.kap(*[layout[x] for x in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k",
-                                                "max_seqlen_q", "max_seqlen_k")], stride=8, top_p=0.9)
+    order, counts = R.kap(*kap_layout_args(paged_from_contiguous(q, k)), stride=8, top_p=0.9)
     assert torch.equal(P.kap_mask(q, k, 8, 0.9), P.lists_to_mask(order, counts))
 
 
