@@ -1,8 +1,8 @@
 // The OSK kernel: one CTA of three warpgroups per (query head, 128-row query block) tile.
-// Warpgroup 0 (few registers) loads Q once; then one of its warps loads the listed K/V blocks
-// through the page table (TMA for whole blocks, cp.async for the one holding Lk) into a
-// kStages-deep mbarrier pipeline. Warpgroups 1 and 2 (many registers) each own 64 query rows and
-// walk the list in order (osk_mainloop.h), then store O and LSE (osk_epilogue.h).
+// Warpgroup 0 (few registers) loads Q once; then one of its warps loads the listed K blocks and
+// another the V blocks through the page table (TMA for whole blocks, cp.async for the one holding
+// Lk) into a kStages-deep mbarrier pipeline. Warpgroups 1 and 2 (many registers) each own 64
+// query rows and walk the list in order (osk_mainloop.h), then store O and LSE (osk_epilogue.h).
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     MBarrier::init(&storage.q_full, Traits::kNumProducerThreads);
     const int kv_warps = Mainloop::kv_load_warps(kp);
     for (int s = 0; s < Traits::kStages; ++s) {
-      // One arrival per loading producer warp (plus the TMA transaction bytes of whole blocks).
+      // One arrival per producer warp loading that cache (plus the TMA transaction bytes of whole
+      // blocks).
       MBarrier::init(&storage.k_full[s], kv_warps);
       MBarrier::init(&storage.v_full[s], kv_warps);
       // Released by lane 0 of each consumer warp once its MMA reading the stage is done.

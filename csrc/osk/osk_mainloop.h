@@ -136,12 +136,14 @@ struct OskMainloop {
     uint32_t smem;  // stage 0 of the tile buffer
   };
 
-  // Producer warps that load K and V: whole blocks travel by TMA, issued by one warp (the other
-  // producer warps leave once Q is loaded, taking no issue slots from the consumers); where TMA
-  // cannot address the caches, the whole warpgroup gathers every block. The full barriers expect
-  // one arrival per loading warp.
+  // Producer warps per cache: K and V each have their own loading warps, which follow the list
+  // independently, so that the two caches' copies are issued side by side (at 16-key pages a block
+  // is 16 TMA boxes per cache, issued one lane at a time). Whole blocks travel by TMA, one warp per
+  // cache (the other two producer warps leave once Q is loaded, taking no issue slots from the
+  // consumers); where TMA cannot address the caches, two warps per cache gather every block. The
+  // full barriers expect one arrival per loading warp of their cache.
   __device__ static int kv_load_warps(const OskKernelParams& kp) {
-    return kp.kv_tma ? 1 : Traits::kNumProducerThreads / 32;
+    return kp.kv_tma ? 1 : Traits::kNumProducerThreads / 64;
   }
 
   // Loads key block `block` of one cache into stage buffer `stage` and arrives on `full`; `page` is
@@ -154,7 +156,7 @@ struct OskMainloop {
                                        uint64_t* full, int warp, int num_warps, int lane) {
     const uint32_t smem_tile = src.smem + stage * kTileBytes;
     const bool whole_block = kp.kv_tma && block >= 0 && (block + 1) * kBlockN <= t.seqlen_k;
-    if (whole_block) {  // one loading warp (kv_load_warps)
+    if (whole_block) {  // one loading warp per cache (kv_load_warps)
       constexpr int kHalves = Traits::kHeadDim / 64;
       constexpr uint32_t kHalfBytes = kBlockN * 64 * sizeof(Element);
       const int log2_box_rows = kp.log2_page_size < 7 ? kp.log2_page_size : 7;  // a page or a block
@@ -207,58 +209,46 @@ struct OskMainloop {
       MBarrier::arrive_on_cp_async(&storage.q_full);
     }
     const int warp = thread / 32;
-    const int kv_warps = kv_load_warps(kp);
-    if (warp >= kv_warps) {
+    const int warps_per_cache = kv_load_warps(kp);
+    if (warp >= 2 * warps_per_cache) {
       cp_async_wait_all();  // leave only once this thread's Q copies have landed
       return;
     }
-
-    const KVSource k_src{&kp.tma_k,
-                         static_cast<const Element*>(layout.k_cache) +
-                             static_cast<int64_t>(t.head_kv) * layout.k_head_stride,
-                         layout.k_page_stride, layout.k_row_stride, smem_addr(storage.k)};
-    const KVSource v_src{&kp.tma_v,
-                         static_cast<const Element*>(layout.v_cache) +
-                             static_cast<int64_t>(t.head_kv) * layout.v_head_stride,
-                         layout.v_page_stride, layout.v_row_stride, smem_addr(storage.v)};
+    // Warps [0, warps_per_cache) load K, the next warps_per_cache load V.
+    const bool loads_v = warp >= warps_per_cache;
+    const int cache_warp = loads_v ? warp - warps_per_cache : warp;
+    const KVSource src =
+        loads_v ? KVSource{&kp.tma_v,
+                           static_cast<const Element*>(layout.v_cache) +
+                               static_cast<int64_t>(t.head_kv) * layout.v_head_stride,
+                           layout.v_page_stride, layout.v_row_stride, smem_addr(storage.v)}
+                : KVSource{&kp.tma_k,
+                           static_cast<const Element*>(layout.k_cache) +
+                               static_cast<int64_t>(t.head_kv) * layout.k_head_stride,
+                           layout.k_page_stride, layout.k_row_stride, smem_addr(storage.k)};
+    uint64_t* full = loads_v ? storage.v_full : storage.k_full;
+    uint64_t* empty = loads_v ? storage.v_empty : storage.k_empty;
     const int32_t* list =
         args.order + (static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row) *
                          layout.max_k_blocks;
 
-    auto load_v = [&](int k, int block, int page) {
-      const int stage = k % kStages;
-      MBarrier::wait(&storage.v_empty[stage], ((k / kStages) & 1) ^ 1);
-      load_kv_block(kp, t, v_src, stage, block, page, &storage.v_full[stage], warp, kv_warps,
-                    lane);
-    };
-
-    // K of list entry k goes out before V of entry k-1 (the consumers need S before P V). The list
-    // is read 32 entries per warp load, and the pages of entry k+1 are looked up in the page table
-    // while entry k's copies go out, so that no copy waits on a page-table read; K and V of a
-    // block share its pages.
+    // The list is read 32 entries per warp load, and the pages of entry k+1 are looked up in the
+    // page table while entry k's copies go out, so that no copy waits on a page-table read.
     int list_window = list[lane < t.count ? lane : 0];
     int block = __shfl_sync(0xffffffffu, list_window, 0);
     int page = lane_page(kp, t, block, lane);
-    int prev_block = 0;
-    int prev_page = 0;
     for (int k = 0; k < t.count; ++k) {
       const int stage = k % kStages;
-      MBarrier::wait(&storage.k_empty[stage], ((k / kStages) & 1) ^ 1);
-      load_kv_block(kp, t, k_src, stage, block, page, &storage.k_full[stage], warp, kv_warps,
+      MBarrier::wait(&empty[stage], ((k / kStages) & 1) ^ 1);
+      load_kv_block(kp, t, src, stage, block, page, &full[stage], cache_warp, warps_per_cache,
                     lane);
       const int next = k + 1;
       if ((next & 31) == 0 && next < t.count) {
         list_window = next + lane < t.count ? list[next + lane] : 0;
       }
-      const int next_block = next < t.count ? __shfl_sync(0xffffffffu, list_window, next & 31) : -1;
-      const int next_page = lane_page(kp, t, next_block, lane);
-      if (k > 0) { load_v(k - 1, prev_block, prev_page); }
-      prev_block = block;
-      prev_page = page;
-      block = next_block;
-      page = next_page;
+      block = next < t.count ? __shfl_sync(0xffffffffu, list_window, next & 31) : -1;
+      page = lane_page(kp, t, block, lane);
     }
-    load_v(t.count - 1, prev_block, prev_page);
     // Stay resident until this thread's copies have landed.
     cp_async_wait_all();
   }
