@@ -172,8 +172,23 @@ def e4m3_block_values(x: torch.Tensor) -> torch.Tensor:
     return values.reshape(rows, heads, dim)[:length]
 
 
-def _proxy_operand(x: torch.Tensor, proxy_precision: str, dt: torch.dtype) -> torch.Tensor:
-    return (e4m3_block_values(x) if proxy_precision == "fp8" else x).to(dt)
+def key_centres(k: torch.Tensor) -> torch.Tensor:
+    """Per head and channel of one sequence's keys ``k [Lk, Hkv, d]``, the midpoint of their finite
+    values over the tokens, ``max / 2 + min / 2`` in float32, ``[1, Hkv, d]`` (0 where a channel has
+    no finite value): what the fp8 proxy subtracts from the keys before quantising them (spec
+    section 2, proxy precision). Order-independent, so the kernels reproduce it bit for bit."""
+    kf = k.float()
+    finite = torch.isfinite(kf)
+    high = kf.masked_fill(~finite, -math.inf).amax(0, keepdim=True)
+    low = kf.masked_fill(~finite, math.inf).amin(0, keepdim=True)
+    centre = high * 0.5 + low * 0.5
+    return torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
+
+
+def _proxy_operand(x: torch.Tensor, proxy_precision: str, dt: torch.dtype, keys: bool = False) -> torch.Tensor:
+    if proxy_precision != "fp8":
+        return x.to(dt)
+    return e4m3_block_values(x.float() - key_centres(x) if keys else x).to(dt)
 
 
 def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
@@ -182,7 +197,7 @@ def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, ma
     """Block scores S and HRM flags H of every (query head, query block): float32 / bool
     ``[Hq, num_q_blocks, ceil(max_seqlen_k / 128)]``; -inf / False outside the causal candidates
     and on padding rows. ``proxy_precision="fp8"``: the proxy multiplies e4m3_block_values of each
-    sequence's queries and keys."""
+    sequence's queries and of its keys less their key_centres."""
     total_q, hq, d = q.shape
     batch = seqused_k.shape[0]
     nqb = num_q_blocks_bound(total_q, batch, max_seqlen_q)
@@ -196,7 +211,8 @@ def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, ma
             continue
         s_b, h_b = _kap_sequence_scores(
             _proxy_operand(q[q0:q0 + lq], proxy_precision, dt),
-            _proxy_operand(gather_kv(k_cache, page_table, b, lk), proxy_precision, dt), lk - lq, stride, scale)
+            _proxy_operand(gather_kv(k_cache, page_table, b, lk), proxy_precision, dt, keys=True), lk - lq, stride,
+            scale)
         scores[:, g0:g0 + s_b.shape[1], : s_b.shape[2]] = s_b
         hrm[:, g0:g0 + s_b.shape[1], : s_b.shape[2]] = h_b
     return scores, hrm

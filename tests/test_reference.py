@@ -296,6 +296,34 @@ def test_fp8_proxy_keeps_the_kept_sets_of_clear_structure(stride):
     assert torch.equal(native_order.sort(-1).values, fp8_order.sort(-1).values)
 
 
+def test_key_centres_are_the_midpoints_of_the_finite_values():
+    k = torch.tensor([[[1.0, -2.0, math.nan, math.inf]],
+                      [[3.0, 6.0, math.nan, -7.0]],
+                      [[-5.0, 0.5, math.nan, 9.0]]])  # [Lk 3, Hkv 1, d 4]
+    centres = R.key_centres(k)
+    assert centres.shape == (1, 1, 4)
+    # -inf and NaN are passed over; a channel with no finite value is centred on 0.
+    assert torch.equal(centres, torch.tensor([[[-1.0, 2.0, 0.0, 1.0]]]))
+
+
+def test_fp8_lists_do_not_move_with_a_key_offset_per_channel():
+    """The fp8 proxy quantises each sequence's keys around their channel midpoints (spec section 2):
+    an offset shared by every key of a channel, which moves all proxy logits of a query row alike,
+    leaves its lists exactly as they were. Uncentred, the offset would set every block's amax."""
+    p = random_problem([700, 300], [700 + 256, 300], 4, 2, 64, dtype=torch.float32, structure="needles", seed=7)
+    # Values on a grid of 1/64, so that adding the offset and centring are exact in float32.
+    p["q"] = (p["q"] * 64).round() / 64
+    p["k_cache"] = (p["k_cache"] * 64).round() / 64
+    offset = torch.zeros(2, 64)
+    offset[0, ::3] = 64.0
+    offset[1, 1::4] = -96.0
+    shifted = {**p, "k_cache": p["k_cache"] + offset}
+    order, counts = run_kap(p, stride=8, proxy_precision="fp8")
+    shifted_order, shifted_counts = run_kap(shifted, stride=8, proxy_precision="fp8")
+    assert torch.equal(counts, shifted_counts)
+    assert torch.equal(order, shifted_order)
+
+
 def test_the_row_check_catches_one_wrong_row():
     """One zeroed (token, head) row hides in a whole-tensor norm; the per-row check names it."""
     p = problem(structure="mixed", seed=5)

@@ -23,9 +23,10 @@ constexpr int64_t kRowMaxWordsPerCta = 4 * kIndexThreads;
 
 // CTA 0: prefix sums over the batch of the query blocks (ceil(Lq_b / 128)) and scoring tiles
 // (ceil(ceil(Lq_b / s) / 128)) of each sequence, in chunks of kIndexThreads sequences. The other
-// CTAs zero the first `row_max_words` words of rm, the first head chunk's: the scoring pass folds
-// its row maxima into a zeroed buffer (the select kernels re-zero it for later chunks), and doing
-// it here rather than in a memset keeps the launches one chain of kernels.
+// CTAs zero the first `row_max_words` words from rm on: the first head chunk's rm and, with the e4m3
+// proxy, the key ranges after it. The scoring pass folds its row maxima into a zeroed buffer (the
+// select kernels re-zero it for later chunks), the range kernel its channel ranges, and doing it
+// here rather than in a memset keeps the launches one chain of kernels.
 __global__ void __launch_bounds__(kIndexThreads)
     kap_index_kernel(const int32_t* cu_seqlens_q, int batch, int stride, int32_t* q_block_start,
                      int32_t* tile_start, uint32_t* row_max, int64_t row_max_words) {
@@ -159,10 +160,21 @@ cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, ProxyPrecision p
              : launch_chunk<ProxyElement::kFloat16>(args, stride, stream);
 }
 
-// The e4m3 copies of q and of the keys of every sequence, with their block scales.
+// The keys' channel ranges, then the e4m3 copies of q and of the centred keys of every sequence,
+// with their block scales.
 template <class Element>
 cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
   const PagedLayout& L = args.layout;
+  const dim3 range_grid(
+      static_cast<unsigned>(L.batch * ((L.max_k_blocks + kRangeKeyBlocks - 1) / kRangeKeyBlocks)),
+      static_cast<unsigned>(L.num_heads_kv));
+  cudaError_t err =
+      L.head_dim == 128
+          ? launch_dependent(kap_key_range_kernel<Element, 128>, range_grid, dim3(kRangeThreads), 0,
+                             stream, args)
+          : launch_dependent(kap_key_range_kernel<Element, 64>, range_grid, dim3(kRangeThreads), 0,
+                             stream, args);
+  if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(L.num_q_blocks + L.batch * L.max_k_blocks),
                   static_cast<unsigned>(L.num_heads_q));
   return L.head_dim == 128
@@ -201,6 +213,7 @@ cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
   args.row_max = reinterpret_cast<uint32_t*>(base + ws.row_max_offset);
   args.block_max_rows = ws.rows;
   if (params.precision == ProxyPrecision::kE4M3) {
+    args.key_range = reinterpret_cast<uint32_t*>(base + ws.key_range_offset);
     args.q8 = base + ws.q8_offset;
     args.k8 = base + ws.k8_offset;
     args.q_scale = reinterpret_cast<float*>(base + ws.q_scale_offset);
@@ -225,8 +238,10 @@ cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
         per_unit < 1 ? 1 : (per_unit > kap::kMaxColTilesPerUnit ? kap::kMaxColTilesPerUnit : per_unit));
   }
 
-  // The first head chunk has heads_per_chunk heads (heads_per_chunk <= num_heads_q).
-  const int64_t row_max_words = ws.rows * ws.heads_per_chunk;
+  // The first head chunk has heads_per_chunk heads (heads_per_chunk <= num_heads_q); with the e4m3
+  // proxy the key ranges that follow are zeroed in the same sweep.
+  const int64_t row_max_words =
+      static_cast<int64_t>((ws.q8_offset - ws.row_max_offset) / sizeof(uint32_t));
   const int64_t zeroing_ctas = std::min<int64_t>(
       (row_max_words + kap::kRowMaxWordsPerCta - 1) / kap::kRowMaxWordsPerCta, num_sms);
   cudaError_t err = launch_dependent(

@@ -1,9 +1,11 @@
-// The e4m3 proxy's quantisation pass (spec section 2, proxy precision): per 128-token block and
-// head, amax = max |x| over the block's tokens (NaN if any is NaN), scale = amax / 448 (1 for an
-// all-zero block), and e4m3(x * (448 / amax)) rounded to nearest even with saturation, written to
-// the workspace for the scoring kernel. Queries are blocked from the first query of each sequence,
-// keys from token 0; the divisions are IEEE (not the fast-math ones) so that cosa.reference can
-// reproduce every byte.
+// The e4m3 proxy's quantisation pass (spec section 2, proxy precision), two kernels. The range
+// kernel folds each key channel's finite maximum and minimum over a sequence into the workspace
+// (per KV head); the quantise kernel centres the keys on the midpoint of that range, then per
+// 128-token block and head takes amax = max |x| over the block's tokens (NaN if any is NaN),
+// scale = amax / 448 (1 for an all-zero block), and e4m3(x * (448 / amax)) rounded to nearest even
+// with saturation, written to the workspace for the scoring kernel. Queries are blocked from the
+// first query of each sequence, keys from token 0; every step is one IEEE float32 operation (no
+// fast-math division, no contraction) so that cosa.reference can reproduce every byte.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -32,12 +34,98 @@ __device__ __forceinline__ float2 to_float2<__half>(const __half* pair) {
   return __half22float2(*reinterpret_cast<const __half2*>(pair));
 }
 
+constexpr int kRangeThreads = 128;
+constexpr int kRangeKeyBlocks = 4;  // key blocks per range CTA: fewer atomics per channel
+
+// Grid: x over (sequence, group of kRangeKeyBlocks key blocks), y over KV heads. Each thread reads
+// one 16-byte chunk (8 channels) of every (128 / chunks per row)-th key of the group and folds its
+// finite values into per-channel maxima and minima (NaN and infinities skipped); the lanes holding
+// the same chunk combine theirs, and one of them adds the result to the sequence's words as atomic
+// maxima of order-preserving bits, so that the range does not depend on the order of the CTAs
+// (the index kernel zeroed the words, and 0 lies below every float's bits).
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(kRangeThreads)
+    kap_key_range_kernel(const KapDeviceArgs args) {
+  cudaGridDependencySynchronize();  // the zeroed words; the caches may come from the kernel before
+  cudaTriggerProgrammaticLaunchCompletion();
+  constexpr int kChunks = kHeadDim / 8;                  // 16-byte chunks of a key row
+  constexpr int kKeysPerPass = kRangeThreads / kChunks;  // keys the CTA reads at once
+  static_assert(32 % kChunks == 0, "a warp holds whole rows");
+  const PagedLayout& L = args.layout;
+  const int groups_per_seq = (L.max_k_blocks + kRangeKeyBlocks - 1) / kRangeKeyBlocks;
+  const int b = static_cast<int>(blockIdx.x) / groups_per_seq;
+  const int group = static_cast<int>(blockIdx.x) % groups_per_seq;
+  const int head = static_cast<int>(blockIdx.y);
+  const int len_k = __ldg(L.seqused_k + b);
+  const int first = group * kRangeKeyBlocks * kBlockSize;
+  if (first >= len_k) return;
+  const int last = min(len_k, first + kRangeKeyBlocks * kBlockSize);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int chunk = tid % kChunks;
+  const Element* cache = static_cast<const Element*>(L.k_cache) + head * L.k_head_stride + chunk * 8;
+  const int32_t* pages = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
+  float high[8], low[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    high[c] = -INFINITY;
+    low[c] = INFINITY;
+  }
+#pragma unroll 4
+  for (int key = first + tid / kChunks; key < last; key += kKeysPerPass) {
+    const int page = __ldg(pages + key / L.page_size);
+    const uint4 raw = *reinterpret_cast<const uint4*>(
+        cache + static_cast<int64_t>(page) * L.k_page_stride + (key % L.page_size) * L.k_row_stride);
+    const Element* e = reinterpret_cast<const Element*>(&raw);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const float2 v = to_float2<Element>(e + 2 * p);
+      if (isfinite(v.x)) {
+        high[2 * p] = fmaxf(high[2 * p], v.x);
+        low[2 * p] = fminf(low[2 * p], v.x);
+      }
+      if (isfinite(v.y)) {
+        high[2 * p + 1] = fmaxf(high[2 * p + 1], v.y);
+        low[2 * p + 1] = fminf(low[2 * p + 1], v.y);
+      }
+    }
+  }
+#pragma unroll
+  for (int off = kChunks; off < 32; off <<= 1) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      high[c] = fmaxf(high[c], __shfl_xor_sync(0xffffffffu, high[c], off));
+      low[c] = fminf(low[c], __shfl_xor_sync(0xffffffffu, low[c], off));
+    }
+  }
+  if (tid % 32 < kChunks) {
+    uint32_t* words =
+        args.key_range + (static_cast<int64_t>(b) * L.num_heads_kv + head) * 2 * kHeadDim + chunk * 8;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      atomicMax(words + c, ordered_bits(high[c]));
+      atomicMax(words + kHeadDim + c, ordered_bits(-low[c]));  // the minimum as a maximum
+    }
+  }
+}
+
+// The centre that the keys of sequence b, head `head` are quantised around: the midpoint of each
+// channel's finite range, max / 2 + min / 2 (0 for a channel with no finite key).
+template <int kHeadDim>
+__device__ __forceinline__ float key_centre(const KapDeviceArgs& args, int b, int head, int channel) {
+  const uint32_t* words =
+      args.key_range + (static_cast<int64_t>(b) * args.layout.num_heads_kv + head) * 2 * kHeadDim;
+  const float high = from_ordered_bits(words[channel]);
+  const float low = -from_ordered_bits(words[kHeadDim + channel]);
+  const float centre = __fadd_rn(__fmul_rn(high, 0.5f), __fmul_rn(low, 0.5f));
+  return isfinite(centre) ? centre : 0.f;
+}
+
 // Grid: x over the packed query blocks, then over the key blocks (batch * max_k_blocks); y over
 // query heads (key blocks use the first Hkv). Thread i owns token i of the block.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kQuantizeThreads)
     kap_quantize_kernel(const KapDeviceArgs args) {
-  // A dependent launch after the index kernel: nothing here reads what it writes, but q and the
+  // A dependent launch after the range kernel, whose key ranges the key blocks read; q and the
   // caches may come from the kernel before KAP.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
@@ -50,6 +138,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   uint8_t* dst = nullptr;
   float* scale_out = nullptr;
   bool live = false;
+  __shared__ float centre[kHeadDim];  // keys: what every key of the block is taken from
   if (query_block) {
     const int g = static_cast<int>(blockIdx.x);
     const QueryBlock block = locate_query_block(L, g);  // warp-collective: every warp calls it
@@ -67,6 +156,8 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     const int key_block = slot % L.max_k_blocks;
     const int len_k = __ldg(L.seqused_k + b);
     if (key_block * kBlockSize >= len_k) return;  // past Lk: never read
+    if (tid < kHeadDim) centre[tid] = key_centre<kHeadDim>(args, b, head, tid);
+    __syncthreads();
     const int key = key_block * kBlockSize + tid;
     live = key < len_k;
     if (live) {
@@ -90,7 +181,11 @@ __global__ void __launch_bounds__(kQuantizeThreads)
       const Element* e = reinterpret_cast<const Element*>(&chunk);
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
-        const float2 v = to_float2<Element>(e + 2 * p);
+        float2 v = to_float2<Element>(e + 2 * p);
+        if (!query_block) {
+          v.x = __fsub_rn(v.x, centre[8 * i + 2 * p]);
+          v.y = __fsub_rn(v.y, centre[8 * i + 2 * p + 1]);
+        }
         values[4 * i + p] = v;
         amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
         nan = nan || isnan(v.x) || isnan(v.y);

@@ -76,7 +76,9 @@ struct WorkspaceLayout {
   size_t tile_start_offset = 0;     // int32 [batch + 1]: first scoring tile of sequence b
   size_t block_max_offset = 0;      // fp32 [heads_per_chunk, rows, max_k_blocks]
   size_t row_max_offset = 0;        // ordered_bits(rm) [heads_per_chunk, rows], zero between passes
-  // With the e4m3 proxy only (else 0 bytes): the quantised copies and their per-block scales.
+  // With the e4m3 proxy only (else 0 bytes): the keys' channel ranges (zeroed with row_max, which
+  // they follow), the quantised copies and their per-block scales.
+  size_t key_range_offset = 0;  // ordered_bits [batch, Hkv, 2, d]: max, then -min, per channel
   size_t q8_offset = 0;       // e4m3 [total_q, Hq, d], rows as q's
   size_t k8_offset = 0;       // e4m3 [batch, max_k_blocks * 128, Hkv, d], key t of b at row t of b
   size_t q_scale_offset = 0;  // fp32 [num_q_blocks, Hq]: packed query block g, query head
@@ -106,9 +108,11 @@ inline WorkspaceLayout workspace_layout(const KapParams& params) {
   }
   ws.heads_per_chunk = heads;
   ws.row_max_offset = ws.block_max_offset + align_up(head_bytes * heads, 256);
-  ws.q8_offset = ws.row_max_offset + align_up(sizeof(uint32_t) * ws.rows * heads, 256);
+  ws.key_range_offset = ws.row_max_offset + align_up(sizeof(uint32_t) * ws.rows * heads, 256);
   const bool e4m3 = params.precision == ProxyPrecision::kE4M3;
   const size_t head_dim = static_cast<size_t>(layout.head_dim);
+  ws.q8_offset = ws.key_range_offset +
+                 (e4m3 ? align_up(sizeof(uint32_t) * layout.batch * layout.num_heads_kv * 2 * head_dim, 256) : 0);
   const size_t key_blocks = static_cast<size_t>(layout.batch) * layout.max_k_blocks;
   ws.k8_offset = ws.q8_offset +
                  (e4m3 ? align_up(static_cast<size_t>(layout.total_q) * layout.num_heads_q * head_dim, 256) : 0);
@@ -138,6 +142,7 @@ struct KapDeviceArgs {
   uint32_t* row_max = nullptr;             // ordered_bits of rm, [head_count, rows]
   int64_t block_max_rows = 0;
   // The e4m3 proxy's operands (WorkspaceLayout), null with the native one.
+  uint32_t* key_range = nullptr;  // [batch, Hkv, 2, d]
   uint8_t* q8 = nullptr;
   uint8_t* k8 = nullptr;
   float* q_scale = nullptr;
