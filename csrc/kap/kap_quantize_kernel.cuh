@@ -35,14 +35,15 @@ __device__ __forceinline__ float2 to_float2<__half>(const __half* pair) {
 }
 
 constexpr int kRangeThreads = 128;
-constexpr int kRangeKeyBlocks = 4;  // key blocks per range CTA: fewer atomics per channel
 
-// Grid: x over (sequence, group of kRangeKeyBlocks key blocks), y over KV heads. Each thread reads
-// one 16-byte chunk (8 channels) of every (128 / chunks per row)-th key of the group and folds its
-// finite values into per-channel maxima and minima (NaN and infinities skipped); the lanes holding
-// the same chunk combine theirs, and one of them adds the result to the sequence's words as atomic
-// maxima of order-preserving bits, so that the range does not depend on the order of the CTAs
-// (the index kernel zeroed the words, and 0 lies below every float's bits).
+// Grid: x over (sequence, key block), y over KV heads. Each thread owns one 16-byte chunk (8
+// channels) of every (128 / chunks per row)-th key of the block; all of its loads are issued before
+// any is folded, so that a CTA has its whole block in flight (the pass is bound by memory latency,
+// not bandwidth, with fewer bytes in flight). Finite values fold into per-channel maxima and minima
+// (NaN and infinities skipped); the lanes holding the same chunk combine theirs, and one of them
+// adds the result to the sequence's words as atomic maxima of order-preserving bits, so that the
+// range does not depend on the order of the CTAs (the index kernel zeroed the words, and 0 lies
+// below every float's bits).
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kRangeThreads)
     kap_key_range_kernel(const KapDeviceArgs args) {
@@ -50,32 +51,40 @@ __global__ void __launch_bounds__(kRangeThreads)
   cudaTriggerProgrammaticLaunchCompletion();
   constexpr int kChunks = kHeadDim / 8;                  // 16-byte chunks of a key row
   constexpr int kKeysPerPass = kRangeThreads / kChunks;  // keys the CTA reads at once
+  constexpr int kPasses = kBlockSize / kKeysPerPass;
   static_assert(32 % kChunks == 0, "a warp holds whole rows");
   const PagedLayout& L = args.layout;
-  const int groups_per_seq = (L.max_k_blocks + kRangeKeyBlocks - 1) / kRangeKeyBlocks;
-  const int b = static_cast<int>(blockIdx.x) / groups_per_seq;
-  const int group = static_cast<int>(blockIdx.x) % groups_per_seq;
+  const int b = static_cast<int>(blockIdx.x) / L.max_k_blocks;
+  const int key_block = static_cast<int>(blockIdx.x) % L.max_k_blocks;
   const int head = static_cast<int>(blockIdx.y);
   const int len_k = __ldg(L.seqused_k + b);
-  const int first = group * kRangeKeyBlocks * kBlockSize;
+  const int first = key_block * kBlockSize;
   if (first >= len_k) return;
-  const int last = min(len_k, first + kRangeKeyBlocks * kBlockSize);
   const int tid = static_cast<int>(threadIdx.x);
   const int chunk = tid % kChunks;
   const Element* cache = static_cast<const Element*>(L.k_cache) + head * L.k_head_stride + chunk * 8;
   const int32_t* pages = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
+  uint4 raw[kPasses];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int key = first + pass * kKeysPerPass + tid / kChunks;
+    raw[pass] = make_uint4(0u, 0u, 0u, 0u);
+    if (key < len_k) {
+      const int page = __ldg(pages + key / L.page_size);
+      raw[pass] = *reinterpret_cast<const uint4*>(cache + static_cast<int64_t>(page) * L.k_page_stride +
+                                                  (key % L.page_size) * L.k_row_stride);
+    }
+  }
   float high[8], low[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     high[c] = -INFINITY;
     low[c] = INFINITY;
   }
-#pragma unroll 4
-  for (int key = first + tid / kChunks; key < last; key += kKeysPerPass) {
-    const int page = __ldg(pages + key / L.page_size);
-    const uint4 raw = *reinterpret_cast<const uint4*>(
-        cache + static_cast<int64_t>(page) * L.k_page_stride + (key % L.page_size) * L.k_row_stride);
-    const Element* e = reinterpret_cast<const Element*>(&raw);
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    if (first + pass * kKeysPerPass + tid / kChunks >= len_k) break;  // past len_k: not a key
+    const Element* e = reinterpret_cast<const Element*>(&raw[pass]);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       const float2 v = to_float2<Element>(e + 2 * p);
