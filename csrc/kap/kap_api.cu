@@ -165,8 +165,9 @@ cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, ProxyPrecision p
 template <class Element>
 cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
   const PagedLayout& L = args.layout;
-  const dim3 range_grid(static_cast<unsigned>(L.batch * L.max_k_blocks),
-                        static_cast<unsigned>(L.num_heads_kv));
+  const dim3 range_grid(
+      static_cast<unsigned>(L.batch * ((L.max_k_blocks + kRangeKeyBlocks - 1) / kRangeKeyBlocks)),
+      static_cast<unsigned>(L.num_heads_kv));
   cudaError_t err =
       L.head_dim == 128
           ? launch_dependent(kap_key_range_kernel<Element, 128>, range_grid, dim3(kRangeThreads), 0,
