@@ -303,6 +303,34 @@ def test_fp8_nan_poisons_its_block(ops):
     assert kept_set_iou(order, counts, ref_order, ref_counts) >= 0.99
 
 
+@pytest.mark.parametrize("d,page_size", [(128, 16), (64, 128)])
+def test_fp8_lists_do_not_move_with_a_key_offset_per_channel(ops, d, page_size):
+    """The kernel centres each sequence's keys per KV head and channel before the e4m3 quantisation
+    (spec section 2), so an offset per (sequence, KV head, channel) leaves its lists bitwise as they
+    were: values on a grid of 1/8 in float16, where adding the offset, the channel midpoints and the
+    centring are all exact. Uncentred, or centred with another sequence's or head's range, the
+    offset would change the e4m3 values."""
+    lens_q, lens_k = [700, 300], [700 + 4 * 128 + 77, 300]
+    p = problem(lens_q, lens_k, hq=4, hkv=2, d=d, page_size=page_size, dtype=torch.float16, structure="needles",
+                seed=31)
+    p["q"] = (p["q"] * 8).round() / 8
+    p["k_cache"] = ((p["k_cache"] * 8).round() / 8).clamp(-100, 100)
+    offset = torch.zeros(2, 2, d, device="cuda", dtype=torch.float16)  # (sequence, KV head, channel)
+    offset[0, 0, ::3] = 64.0
+    offset[0, 1, 1::4] = -96.0
+    offset[1, 0, 2::5] = -48.0
+    offset[1, 1, ::2] = 80.0
+    shifted_cache = p["k_cache"].clone()
+    for b in range(2):
+        pages = p["page_table"][b, : (lens_k[b] + page_size - 1) // page_size].long()
+        shifted_cache[pages] += offset[b]
+    shifted = {**p, "k_cache": shifted_cache}
+    order, counts = kap(ops, p, 8, proxy_precision="fp8")
+    shifted_order, shifted_counts = kap(ops, shifted, 8, proxy_precision="fp8")
+    assert torch.equal(counts, shifted_counts)
+    assert torch.equal(order, shifted_order)
+
+
 def test_fp8_native_kept_sets_close(ops):
     """The fp8 proxy keeps nearly the blocks that the native one keeps (the bench measures this on
     real activations)."""
