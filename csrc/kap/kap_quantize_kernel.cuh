@@ -45,8 +45,8 @@ constexpr int kRangeKeyBlocks = 4;  // key blocks per range CTA
 // then one thread per channel adds the CTA's range to the sequence's words as atomic maxima of
 // order-preserving bits, so that the range does not depend on the order of the CTAs (the index
 // kernel zeroed the words, and 0 lies below every float's bits). Atomics on the same words
-// serialise: one per channel and CTA of four blocks keeps them off the critical path (four per
-// channel and block measured 0.1 ms at 32K tokens and 8 KV heads).
+// serialise: with a CTA per key block and an atomic per warp and channel (sixteen times these)
+// the pass cost 0.23 ms of KAP at 32K tokens and 8 KV heads on an H200; this one about 0.03 ms.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kRangeThreads)
     kap_key_range_kernel(const KapDeviceArgs args) {
