@@ -18,18 +18,19 @@ namespace kap {
 namespace {
 
 constexpr int kIndexThreads = 1024;
-// Words of rm per zeroing CTA of the index kernel (four per thread); past one CTA per SM they loop.
-constexpr int64_t kRowMaxWordsPerCta = 4 * kIndexThreads;
+// Words (rm, then the key ranges) per zeroing CTA of the index kernel (four per thread); past one
+// CTA per SM they loop.
+constexpr int64_t kZeroedWordsPerCta = 4 * kIndexThreads;
 
 // CTA 0: prefix sums over the batch of the query blocks (ceil(Lq_b / 128)) and scoring tiles
 // (ceil(ceil(Lq_b / s) / 128)) of each sequence, in chunks of kIndexThreads sequences. The other
-// CTAs zero the first `row_max_words` words from rm on: the first head chunk's rm and, with the e4m3
+// CTAs zero the first `zeroed_words` words from rm on: the first head chunk's rm and, with the e4m3
 // proxy, the key ranges after it. The scoring pass folds its row maxima into a zeroed buffer (the
 // select kernels re-zero it for later chunks), the range kernel its channel ranges, and doing it
 // here rather than in a memset keeps the launches one chain of kernels.
 __global__ void __launch_bounds__(kIndexThreads)
     kap_index_kernel(const int32_t* cu_seqlens_q, int batch, int stride, int32_t* q_block_start,
-                     int32_t* tile_start, uint32_t* row_max, int64_t row_max_words) {
+                     int32_t* tile_start, uint32_t* zeroed, int64_t zeroed_words) {
   // A dependent launch (common/dependent_launch.h) after whatever the stream ran before KAP; the
   // scoring kernel may launch as soon as every CTA here has started.
   cudaGridDependencySynchronize();
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(kIndexThreads)
   if (blockIdx.x > 0) {
     const int64_t step = static_cast<int64_t>(gridDim.x - 1) * kIndexThreads;
     const int64_t first = static_cast<int64_t>(blockIdx.x - 1) * kIndexThreads + threadIdx.x;
-    for (int64_t w = first; w < row_max_words; w += step) row_max[w] = 0;
+    for (int64_t w = first; w < zeroed_words; w += step) zeroed[w] = 0;
     return;
   }
   __shared__ int warp_blocks[kIndexThreads / 32], warp_tiles[kIndexThreads / 32];
@@ -162,26 +163,25 @@ cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, ProxyPrecision p
 
 // The keys' channel ranges, then the e4m3 copies of q and of the centred keys of every sequence,
 // with their block scales.
-template <class Element>
+template <class Element, int kHeadDim>
 cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
   const PagedLayout& L = args.layout;
   const dim3 range_grid(
       static_cast<unsigned>(L.batch * ((L.max_k_blocks + kRangeKeyBlocks - 1) / kRangeKeyBlocks)),
       static_cast<unsigned>(L.num_heads_kv));
-  cudaError_t err =
-      L.head_dim == 128
-          ? launch_dependent(kap_key_range_kernel<Element, 128>, range_grid, dim3(kRangeThreads), 0,
-                             stream, args)
-          : launch_dependent(kap_key_range_kernel<Element, 64>, range_grid, dim3(kRangeThreads), 0,
-                             stream, args);
+  const cudaError_t err = launch_dependent(kap_key_range_kernel<Element, kHeadDim>, range_grid,
+                                           dim3(kRangeThreads), 0, stream, args);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(L.num_q_blocks + L.batch * L.max_k_blocks),
                   static_cast<unsigned>(L.num_heads_q));
-  return L.head_dim == 128
-             ? launch_dependent(kap_quantize_kernel<Element, 128>, grid, dim3(kQuantizeThreads), 0,
-                                stream, args)
-             : launch_dependent(kap_quantize_kernel<Element, 64>, grid, dim3(kQuantizeThreads), 0,
-                                stream, args);
+  return launch_dependent(kap_quantize_kernel<Element, kHeadDim>, grid, dim3(kQuantizeThreads), 0,
+                          stream, args);
+}
+
+template <class Element>
+cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
+  return args.layout.head_dim == 128 ? launch_quantize<Element, 128>(args, stream)
+                                     : launch_quantize<Element, 64>(args, stream);
 }
 
 }  // namespace
@@ -240,15 +240,15 @@ cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
 
   // The first head chunk has heads_per_chunk heads (heads_per_chunk <= num_heads_q); with the e4m3
   // proxy the key ranges that follow are zeroed in the same sweep.
-  const int64_t row_max_words =
+  const int64_t zeroed_words =
       static_cast<int64_t>((ws.q8_offset - ws.row_max_offset) / sizeof(uint32_t));
   const int64_t zeroing_ctas = std::min<int64_t>(
-      (row_max_words + kap::kRowMaxWordsPerCta - 1) / kap::kRowMaxWordsPerCta, num_sms);
+      (zeroed_words + kap::kZeroedWordsPerCta - 1) / kap::kZeroedWordsPerCta, num_sms);
   cudaError_t err = launch_dependent(
       kap::kap_index_kernel, dim3(static_cast<unsigned>(1 + zeroing_ctas)),
       dim3(kap::kIndexThreads), 0, stream, layout.cu_seqlens_q, layout.batch, params.stride,
       reinterpret_cast<int32_t*>(base + ws.q_block_start_offset),
-      reinterpret_cast<int32_t*>(base + ws.tile_start_offset), args.row_max, row_max_words);
+      reinterpret_cast<int32_t*>(base + ws.tile_start_offset), args.row_max, zeroed_words);
   if (err == cudaSuccess && params.precision == ProxyPrecision::kE4M3) {
     err = layout.dtype == DType::kBFloat16 ? kap::launch_quantize<__nv_bfloat16>(args, stream)
                                            : kap::launch_quantize<__half>(args, stream);
