@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""OSK side by side: the head-dim-128 bf16 OSK of several source trees, built into one harness and
+timed on the same inputs in one process.
+
+Each REV is a git revision (a branch or a commit) or ``.`` for the working tree; the first is the
+baseline. Its ``csrc/`` is exported under ``build-ab/<label>/`` and compiled with the flags of
+``csrc/build_manifest.json`` under a namespace of its own (``bench/osk_ab/variant_entry.cu``), all in
+parallel; ``bench/osk_ab/harness.cu`` (torch-free) then runs every tree on one sequence of 32 query
+heads and 8 KV heads, d 128, pages shuffled: dense lists at 16K and 32K, random 50% and 25% lists,
+page 16, and the skip kernel with nothing skipped. Each tree's output is compared element by element
+with the baseline's (a change that keeps the arithmetic must match bit for bit); times are medians of
+CUDA-event timings in ``--rounds`` interleaved rounds, and the spread of the baseline's rounds says
+how large a difference is noise.
+
+Building needs nvcc and the CUTLASS headers (``CUTLASS_DIR`` or the nvidia-cutlass package), not a
+GPU: ``--build-only`` on a machine with the repository's history, then ``--run-only`` where the GPU
+is (the harness binary and the labels travel in ``build-ab/``). The run writes
+``bench/results/osk-ab-<date>-<commit>.json``.
+
+    python bench/osk_ab.py [--build-only | --run-only] [--rounds 3] [--cases FILTER] REV [REV ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD = REPO_ROOT / "build-ab"
+SOURCES = REPO_ROOT / "bench" / "osk_ab"
+HARNESS = BUILD / "osk_ab_harness"
+LABELS = BUILD / "labels.json"
+ROW = re.compile(r"^ROW case=(\S+) variant=(\S+) ms=(\S+) ratio=(\S+) mismatches=(\d+) rounds=(\S+)$")
+
+
+def fail(message: str) -> None:
+    print(f"osk_ab: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def label_of(rev: str, taken: set[str]) -> str:
+    """A C identifier naming the tree of `rev`, unique among `taken`."""
+    base = "worktree" if rev == "." else re.sub(r"[^A-Za-z0-9]", "_", rev).strip("_") or "rev"
+    label, suffix = base, 2
+    while label in taken:
+        label, suffix = f"{base}_{suffix}", suffix + 1
+    taken.add(label)
+    return label
+
+
+def export_tree(rev: str, dest: Path) -> None:
+    """`rev`'s csrc/ (or the working tree's, for '.') as `dest`/csrc."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    if rev == ".":
+        shutil.copytree(REPO_ROOT / "csrc", dest / "csrc")
+        return
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", "--format=tar", rev, "csrc"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        fail(f"cannot export csrc/ of {rev!r}: {archive.stderr.decode().strip()} "
+             "(build with --build-only where the repository's history is, then --run-only)")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def cutlass_include() -> Path:
+    """The CUTLASS/CuTe headers, found as setup.py finds them."""
+    if os.environ.get("CUTLASS_DIR"):
+        return Path(os.environ["CUTLASS_DIR"]) / "include"
+    try:
+        import cutlass_library
+    except ImportError:
+        fail("the build needs the CUTLASS headers: pip install nvidia-cutlass, or set CUTLASS_DIR")
+    return Path(cutlass_library.__file__).parent / "source" / "include"
+
+
+def nvcc_flags() -> list[str]:
+    manifest = json.loads((REPO_ROOT / "csrc" / "build_manifest.json").read_text())
+    return list(manifest["nvcc_flags"]) + [f"-I{cutlass_include()}"]
+
+
+def build(revs: list[str]) -> list[str]:
+    """Compiles every tree and the harness; returns the labels, baseline first."""
+    if shutil.which("nvcc") is None:
+        fail("nvcc is not on PATH")
+    BUILD.mkdir(exist_ok=True)
+    taken: set[str] = set()
+    labels = [label_of(rev, taken) for rev in revs]
+    flags = nvcc_flags()
+    jobs = []
+    for rev, label in zip(revs, labels):
+        tree = BUILD / label
+        export_tree(rev, tree)
+        command = ["nvcc", *flags, f"-I{tree / 'csrc'}", f"-DOSK_AB_NAMESPACE=cosa_ab_{label}",
+                   f"-DOSK_AB_LABEL={label}", "-Xptxas", "-v", "-c", str(SOURCES / "variant_entry.cu"),
+                   "-o", str(BUILD / f"{label}.o")]
+        print(f"compiling {rev} as {label}", file=sys.stderr, flush=True)
+        jobs.append((label, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for label, job in jobs:
+        log = job.communicate()[0]
+        if job.returncode != 0:
+            print(log, file=sys.stderr)
+            fail(f"{label} did not compile")
+        for kernel, usage in zip(re.findall(r"Compiling entry function '(\S+)'", log),
+                                 re.findall(r"bytes stack frame, (\d+) bytes spill stores.*?\n.*?Used (\d+) registers",
+                                            log)):
+            skip = "skip" if kernel.endswith("Lb1EEEvNS0_15OskKernelParamsE") else "no skip"
+            print(f"  {label} ({skip}): {usage[1]} registers, {usage[0]} bytes spilled", file=sys.stderr)
+        if "C7514" in log:
+            print(f"  {label}: ptxas serialised the wgmmas (C7514)", file=sys.stderr)
+    variants = " ".join(f"X({label})" for label in labels)
+    subprocess.run(["nvcc", *flags, f"-I{REPO_ROOT / 'csrc'}", f"-DOSK_AB_VARIANTS(X)={variants}", "-c",
+                    str(SOURCES / "harness.cu"), "-o", str(BUILD / "harness.o")], check=True)
+    subprocess.run(["nvcc", flags[0], str(BUILD / "harness.o"), *(str(BUILD / f"{label}.o") for label in labels),
+                    "-o", str(HARNESS)], check=True)
+    LABELS.write_text(json.dumps({"revs": revs, "labels": labels}) + "\n")
+    return labels
+
+
+def run(rounds: int, cases: str, out_dir: str) -> int:
+    if not HARNESS.exists() or not LABELS.exists():
+        fail(f"no harness in {BUILD}: build it first (without --run-only)")
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    from common import require_cuda, start_run, write_json  # imports torch: only where the run is
+
+    require_cuda("bench/osk_ab.py")
+    built = json.loads(LABELS.read_text())
+    meta, json_path = start_run(out_dir, "osk-ab")
+    rows = []
+    with subprocess.Popen([str(HARNESS), str(rounds), cases], stdout=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:
+            match = ROW.match(line.strip())
+            if match is None:
+                print(line, end="", flush=True)
+                continue
+            case, label, ms, ratio, mismatches, per_round = match.groups()
+            rows.append({"case": case, "variant": label, "rev": built["revs"][built["labels"].index(label)],
+                         "ms": float(ms), "ratio": float(ratio), "mismatched_elements": int(mismatches),
+                         "rounds_ms": [float(x) for x in per_round.split(",")]})
+    write_json(json_path, {**meta, "config": {"revs": built["revs"], "labels": built["labels"],
+                                              "rounds": rounds, "cases": cases or "all"}, "rows": rows})
+    print(f"\nresults: {json_path}")
+    return proc.returncode
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("revs", nargs="*", help="git revisions, or . for the working tree; the first is the baseline")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--build-only", action="store_true", help="compile, do not run (no GPU needed)")
+    mode.add_argument("--run-only", action="store_true", help="run the harness built before, with its revisions")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
+    parser.add_argument("--cases", default="", help="run only the cases whose name contains this text")
+    parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"),
+                        help="folder for the results JSON (default bench/results/)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.run_only:
+        if args.revs:
+            parser.error("--run-only runs the revisions it was built with; give none")
+    elif not args.revs:
+        parser.error("name at least one revision (or . for the working tree)")
+    if not args.run_only:
+        build(args.revs)
+        if args.build_only:
+            print(f"built {HARNESS}")
+            return 0
+    return run(args.rounds, args.cases, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
