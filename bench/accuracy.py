@@ -678,27 +678,36 @@ def arm_label(row: dict) -> str:
 
 
 def plot(summary: list[dict], path: Path) -> bool:
+    """Per length: each arm's mean score and perplexity with their intervals, and each sparse arm's
+    paired difference from dense (the comparison that tells methods apart), with its interval."""
     try:
         import matplotlib
     except ImportError:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 5))
     arms = list(dict.fromkeys(arm_label(r) for r in sorted(summary, key=lambda r: arm_order(r["method"], r["match"]))))
+    panels = ((ax1, "score", "ci_low", "ci_high"), (ax2, "ppl", "ppl_ci_low", "ppl_ci_high"),
+              (ax3, "diff", "diff_ci_low", "diff_ci_high"))
     for i, label in enumerate(arms):
         rs = sorted((r for r in summary if arm_label(r) == label), key=lambda r: r["n"])
         # Each arm's points sit a little apart along the length axis, so that overlapping bars stay readable.
         shift = 2 ** (0.04 * (i - (len(arms) - 1) / 2))
-        for ax, field, low, high in ((ax1, "score", "ci_low", "ci_high"), (ax2, "ppl", "ppl_ci_low", "ppl_ci_high")):
+        for ax, field, low, high in panels:
             points = [r for r in rs if r[field] is not None]
             if points:
                 ax.errorbar([r["n"] * shift for r in points], [r[field] for r in points],
                             yerr=[[r[field] - r[low] for r in points], [r[high] - r[field] for r in points]],
-                            marker="o", capsize=3, label=label)
+                            marker="o", capsize=3, label=label, color=f"C{i}")
+    lengths = [r["n"] for r in summary]
+    ax3.axhline(0.0, color="0.5", linewidth=1)
     for ax, title in ((ax1, "RULER-style score, mean over the tasks kept (95% CI)"),
-                      (ax2, "perplexity of the second half (95% CI over windows)")):
+                      (ax2, "perplexity of the second half (95% CI over windows)"),
+                      (ax3, "score minus dense on the same prompts (paired 95% CI)")):
         ax.set_xscale("log", base=2)
+        # A margin around the lengths, so that a single length is not stretched across the axis.
+        ax.set_xlim(min(lengths) / 1.5, max(lengths) * 1.5)
         ax.set_xlabel("prompt length (tokens)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
