@@ -70,7 +70,8 @@ def export_tree(rev: str, dest: Path) -> None:
         fail(f"cannot export csrc/ of {rev!r}: {archive.stderr.decode().strip()} "
              "(build with --build-only where the repository's history is, then --run-only)")
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(dest, filter="data")
+        # The extraction filter exists from Python 3.12 (and in later 3.10/3.11 releases).
+        tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
 
 
 def cutlass_include() -> Path:
