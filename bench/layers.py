@@ -18,6 +18,8 @@ freed. Then, per layer:
   kap-fp8         KAP alone with the fp8 proxy; its row also compares its lists with kap's: the IoU of
                   the kept sets (iou_vs_native) and the share of each query block's exact attention
                   mass that the kept blocks hold (mass_native, mass_fp8)
+  osk, osk-fp8    OSK alone (the defaults' delta and vote) on the lists of kap and kap-fp8: with the
+                  KAP rows they split cosa and cosa-fp8 into their two stages
 
 With ``--lists-only`` nothing is timed, and the run needs no GPU (``--device cpu`` captures on the CPU
 and computes the lists with the ops' CPU path, the PyTorch reference): per layer only the ``kap`` and
@@ -65,6 +67,7 @@ SUMMARY_COLUMNS = ("impl", "layers", "ms", "x_cudnn", "x_fa4", "stage1_budget", 
                    "max_row_err", "iou_vs_native", "mass_native", "mass_fp8")
 LISTS_COLUMNS = ("layer", "n", "impl", "stage1_budget", "iou_vs_native", "mass_native", "mass_fp8")
 PRECISION_IMPLS = {"native": "kap", "fp8": "kap-fp8"}
+OSK_IMPLS = {"native": "osk", "fp8": "osk-fp8"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,8 +258,9 @@ class LayerRun:
         self.add(layer, impl, time_ms(run), check, out, stats["stage1_budget"], stats["realised_budget"])
 
     def kap_rows(self, layer, s: InputSet, check: Check, scale):
-        """KAP alone at each proxy precision (rows ``kap``, ``kap-fp8``); the fp8 row also holds how its
-        lists compare with the native ones (:func:`list_agreement`)."""
+        """KAP alone at each proxy precision (rows ``kap``, ``kap-fp8``), the fp8 row with how its lists
+        compare with the native ones (:func:`list_agreement`); then OSK alone on each precision's lists
+        (rows ``osk``, ``osk-fp8``), so that a CoSA row's time splits into its two stages."""
         n = check.n
         lists = {}
         for precision, impl in PRECISION_IMPLS.items():
@@ -268,6 +272,15 @@ class LayerRun:
         comparison = list_agreement(lists, s.q, s.k, scale)
         self.rows[-1].update(comparison)
         report_agreement(layer, comparison)
+        for precision, impl in OSK_IMPLS.items():
+            self.guarded(f"layer {layer} {impl}", self.osk_row, layer, impl, *lists[precision], s, check, scale)
+
+    def osk_row(self, layer, impl: str, order, counts, s: InputSet, check: Check, scale):
+        run = lambda: self.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
+                                    s.seqused_k, order, counts, check.n, softmax_scale=scale)
+        out, _, skipped = run()
+        stage1, realised = self.cosa.reference.budgets(counts, skipped, s.cu_seqlens_q, s.seqused_k)
+        self.add(layer, impl, time_ms(run), check, out, stage1, realised)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +327,7 @@ def prefill_defaults(cosa_mod) -> dict:
 
 def plot(rows: list[dict], path: Path, title: str) -> bool:
     """Left: time per layer and implementation. Right: speedup over FA4 dense (cuDNN without FA4),
-    KAP left out. False when matplotlib is missing."""
+    the single stages (KAP alone, OSK alone) left out. False when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -332,7 +345,7 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
         mine = [by_layer[layer] for layer in layers if layer in by_layer]
         color = f"C{i % 10}"
         ax_ms.bar(xs, [r["ms"] for r in mine], width, label=impl, color=color)
-        if not impl.startswith("kap"):
+        if not impl.startswith(("kap", "osk")):
             ax_x.bar(xs, [r[f"x_{anchor}"] or 0.0 for r in mine], width, label=impl, color=color)
     for ax in (ax_ms, ax_x):
         ax.set_ylim(top=ax.get_ylim()[1] * 1.25)  # room for the legend above the bars

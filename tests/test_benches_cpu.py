@@ -629,7 +629,7 @@ def test_layers_one_layer_on_the_cpu(monkeypatch):
     run.layer(5, q, k, v, None)
     assert run.failures == []
     rows = {r["impl"]: r for r in run.rows}
-    assert list(rows) == ["cudnn", *layers.COSA_VARIANTS, "kap", "kap-fp8"]
+    assert list(rows) == ["cudnn", *layers.COSA_VARIANTS, "kap", "kap-fp8", "osk", "osk-fp8"]
     assert all(r["layer"] == 5 and r["n"] == n and r["kind"] == "layer" for r in run.rows)
     assert rows["cudnn"]["rel_err"] < 1e-2 and rows["cudnn"]["stage1_budget"] == 1.0
     for impl in layers.COSA_VARIANTS:
@@ -645,6 +645,10 @@ def test_layers_one_layer_on_the_cpu(monkeypatch):
     assert rows["kap"]["rel_err"] is None and rows["kap"]["realised_budget"] is None
     fp8 = rows["kap-fp8"]
     assert 0.9 < fp8["iou_vs_native"] <= 1 and 0 < fp8["mass_fp8"] <= 1 and 0 < fp8["mass_native"] <= 1
+    # OSK alone on each precision's lists is the second stage of the CoSA row with that proxy.
+    for osk_impl, cosa_impl in (("osk", "cosa"), ("osk-fp8", "cosa-fp8")):
+        for key in ("stage1_budget", "realised_budget", "rel_err", "max_row_err"):
+            assert rows[osk_impl][key] == rows[cosa_impl][key], (osk_impl, key)
 
 
 def test_layers_lists_only_on_the_cpu(tiny_model_dir, haystack_dir, tmp_path):
