@@ -49,7 +49,7 @@ tell the sparse methods apart: with ``--drop-failed-tasks`` (the default) dense 
 length first, and the failed tasks are reported and not run by the other methods at that length.
 
 A long evaluation can be split over several runs: ``--time-limit S`` stops it between two prompts
-after S seconds, saving what it has (``complete: false`` in the JSON), and ``--resume FILE`` continues
+once S seconds have passed since the program started (the model's loading counts), saving what it has (``complete: false`` in the JSON), and ``--resume FILE`` continues
 that file with the same configuration, keeping its finished prompts (each run is listed under
 ``runs``).
 
@@ -438,7 +438,8 @@ def load_resumed(path: Path, args, name: str) -> dict:
     return earlier
 
 
-def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, resumed: dict | None = None) -> dict:
+def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, resumed: dict | None = None,
+             deadline: float = math.inf) -> dict:
     """Runs every arm on every prompt and perplexity window; returns the results payload, with
     ``complete`` False when --time-limit stopped it between two prompts. ``resumed``: an earlier
     payload of the same configuration, whose finished prompts are kept and not run again."""
@@ -459,7 +460,6 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
     header = {**(resumed or meta), "runs": runs}
     for key in ("scores", "summary", "complete"):
         header.pop(key, None)
-    deadline = math.inf if args.time_limit is None else time.monotonic() + args.time_limit
     total = len(args.lengths) * (len(args.tasks) * args.samples + args.ppl_samples) * len(arms)
     bar = tqdm(total=total, desc="accuracy", file=sys.stderr, dynamic_ncols=True)
     bar.update(len(samples) + len(ppl_rows))
@@ -797,8 +797,8 @@ def parse_args(argv=None):
     p.add_argument("--bootstrap", type=int, default=2000,
                    help="bootstrap resamples of every interval (default 2000)")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds after which the run stops between two prompts, saving what it has "
-                        "(continue it with --resume)")
+                   help="seconds after the program's start (the model's loading included) after which the run "
+                        "stops between two prompts, saving what it has (continue it with --resume)")
     p.add_argument("--resume", default=None,
                    help="the results JSON of a stopped run of the same configuration: its finished prompts "
                         "are kept, the rest run, and the file is completed in place")
@@ -830,6 +830,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Counted from here, so that a run fits a wall-clock budget whatever the model takes to load.
+    deadline = math.inf if args.time_limit is None else time.monotonic() + args.time_limit
     meta, json_path = start_run(args.out, "accuracy") if not args.resume else (run_metadata(), Path(args.resume))
     progress(f"loading {args.model}")
     model, tokenizer, name = load_model(args.model, args.device, getattr(torch, args.dtype))
@@ -838,7 +840,7 @@ def main(argv=None) -> int:
     if resumed:
         progress(f"resuming {json_path}: {len(resumed['samples'])} answers and {len(resumed['ppl'])} perplexity "
                  "windows done")
-    results = evaluate(args, model, tokenizer, name, meta, json_path, resumed)
+    results = evaluate(args, model, tokenizer, name, meta, json_path, resumed, deadline)
     if not results["complete"]:
         print(f"stopped at --time-limit; continue with --resume {json_path}")
         return 0

@@ -747,6 +747,23 @@ def test_accuracy_resumes_a_stopped_run(tmp_path, tiny_model_dir):
                        *[a if a != "2" else "3" for a in argv]])
 
 
+def test_accuracy_time_limit_counts_the_model_load(tmp_path, tiny_model_dir, monkeypatch):
+    """--time-limit is a wall-clock budget for the whole run: a model that takes longer to load than
+    the limit leaves no time for a prompt (counted from the end of the load, one prompt would run)."""
+    import time
+
+    real_load = accuracy.load_model
+
+    def slow_load(*a, **kw):
+        time.sleep(0.5)
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(accuracy, "load_model", slow_load)
+    data = accuracy_run(tmp_path, tiny_model_dir, "--lengths", "512", "--samples", "1", "--ppl-samples", "0",
+                        "--methods", "dense", "--tasks", "niah_single", "--time-limit", "0.3")
+    assert data["complete"] is False and data["samples"] == []
+
+
 @pytest.mark.parametrize("flag,value,words", [("--time-limit", "-1", "--time-limit must be"),
                                               ("--time-limit", "nan", "--time-limit must be"),
                                               ("--resume", "no-such-file.json", "--resume: no-such-file.json is not a file")])
