@@ -220,7 +220,8 @@ int main(int argc, char** argv) {
       CUDA_CHECK(cudaFree(p));
     }
   }
-  std::printf("! output differs from %s's (expected only for ablations that change the arithmetic)\n",
+  std::printf("a ratio marked ! is that of a tree whose output differs from %s's (expected only for "
+              "ablations that change the arithmetic)\n",
               kVariants[0].label);
   return 0;
 }
