@@ -49,9 +49,12 @@ tell the sparse methods apart: with ``--drop-failed-tasks`` (the default) dense 
 length first, and the failed tasks are reported and not run by the other methods at that length.
 
 A long evaluation can be split over several runs: ``--time-limit S`` stops it between two prompts
-once S seconds have passed since the program started (the model's loading counts), saving what it has (``complete: false`` in the JSON), and ``--resume FILE`` continues
-that file with the same configuration, keeping its finished prompts (each run is listed under
-``runs``).
+once S seconds have passed since the program started (the model's loading counts), saving what it
+has (``complete: false`` in the JSON), and ``--resume FILE`` continues that file with the same
+configuration, keeping every answer it holds (each run is listed under ``runs``). A resumed run may
+add methods and ``--match`` entries to those of the file, finished or not: only the new arms run,
+so dense answers each prompt once however many sittings the comparison takes (the peers matched
+to CoSA get CoSA's lists of each prompt from one more CoSA prefill).
 
     python bench/accuracy.py --model DIR|FILE.gguf [--lengths 8192 16384 32768] [--samples 50]
         [--tasks ...] [--methods dense,cosa,kap,kap-ascending,xattention,flexprefill,meanpool]
@@ -401,6 +404,13 @@ def generate(model, tokenizer, ids: list[int], max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
+def prefill(model, ids: list[int]) -> None:
+    """One forward pass of the model's backbone over ``ids`` (no LM head, no cache): the attention
+    calls of a prompt's prefill, for the block lists they select."""
+    device = next(model.parameters()).device
+    getattr(model, model.base_model_prefix)(input_ids=torch.tensor([ids], device=device), use_cache=False)
+
+
 def tail_nll(model, ids: list[int]) -> tuple[float, int]:
     """Summed negative log-likelihood of the second half of ``ids`` and the token count; the LM head
     runs in chunks so that no [N, vocab] logits tensor is formed."""
@@ -427,14 +437,26 @@ class OutOfTime(Exception):
     """--time-limit was reached between two prompts."""
 
 
+# Options in which a resumed run may go beyond the run it continues: more methods, more match entries.
+# The answers already there stay, and only the new arms run (dense, typically the longest arm, once).
+EXTENDABLE_OPTIONS = ("methods", "match")
+
+
 def load_resumed(path: Path, args, name: str) -> dict:
-    """The results file of an earlier run of the same configuration, to be continued in place."""
+    """The results file of an earlier run of the same configuration, to be continued in place; the
+    methods and match entries may be a superset of that run's."""
     earlier = json.loads(path.read_text())
     mine = {**config_of(args), "model": name}
     theirs = {**earlier.get("config", {}), "model": earlier.get("model")}
-    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    differ = sorted(k for k in set(mine) | set(theirs)
+                    if k not in EXTENDABLE_OPTIONS and mine.get(k) != theirs.get(k))
     if differ:
         raise SystemExit(f"--resume {path}: that run's configuration differs in {', '.join(differ)}")
+    for option in EXTENDABLE_OPTIONS:
+        left_out = [x for x in theirs.get(option) or [] if x not in mine[option]]
+        if left_out:
+            raise SystemExit(f"--resume {path}: --{option} must include that run's "
+                             f"{', '.join(map(str, theirs[option]))} (it leaves out {', '.join(map(str, left_out))})")
     return earlier
 
 
@@ -476,19 +498,24 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
         if time.monotonic() > deadline:
             raise OutOfTime
 
+    def prepare_matching(todo, ids):
+        """CoSA's lists of this prompt for the peers matched to them, when CoSA answered the prompt in
+        an earlier run: one prefill with CoSA (the lists depend on the prompt alone)."""
+        if ("cosa", None) not in todo and any(m in proxies.PEERS and match in ("stage1", "realised")
+                                              for m, match in todo):
+            runner.run("cosa", None, lambda: prefill(model, ids))
+
     def answer_task(n, task, s, make_prompt, arms_here):
-        """Every arm of ``arms_here`` on one prompt, unless an earlier run answered them all
-        (a prompt's arms run together: the matched peers need CoSA's lists of the same prompt)."""
-        mine = [i for i, r in enumerate(samples) if (r["n"], r["task"], r["sample"]) == (n, task, s)
-                and (r["method"], r["match"]) in arms_here]
-        if len(mine) == len(arms_here):
+        """The arms of ``arms_here`` that no earlier run answered on this prompt."""
+        done = {(r["method"], r["match"]) for r in samples if (r["n"], r["task"], r["sample"]) == (n, task, s)}
+        todo = [arm for arm in arms_here if arm not in done]
+        if not todo:
             return
-        for i in reversed(mine):  # a prompt left half done is answered again
-            del samples[i]
         next_prompt()
         ids, answers = make_prompt()
         runner.new_prompt()
-        for method, match in arms_here:
+        prepare_matching(todo, ids)
+        for method, match in todo:
             bar.set_postfix_str(f"n={n} {task} #{s} {method}" + (f" ({match})" if match else ""))
             text, budgets = runner.run(method, match, lambda: generate(model, tokenizer, ids, args.max_new_tokens))
             samples.append({"method": method, "match": match, "n": n, "task": task, "sample": s, "tokens": len(ids),
@@ -525,14 +552,15 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
                     answer_task(n, task, s, lambda: prompt(task, s), sparse_arms if judge_tasks else arms)
                 save()
             for s in range(args.ppl_samples):
-                if all(any((r["method"], r["match"], r["n"], r["sample"]) == (method, match, n, s) for r in ppl_rows)
-                       for method, match in arms):
+                done = {(r["method"], r["match"]) for r in ppl_rows if (r["n"], r["sample"]) == (n, s)}
+                todo = [arm for arm in arms if arm not in done]
+                if not todo:
                     continue
-                ppl_rows[:] = [r for r in ppl_rows if (r["n"], r["sample"]) != (n, s)]
                 next_prompt()
                 ids = haystack_token_ids(tokenizer, args.ppl_dir or args.haystack_dir, n, seed=args.seed + 1000 + s)
                 runner.new_prompt()
-                for method, match in arms:
+                prepare_matching(todo, ids)
+                for method, match in todo:
                     bar.set_postfix_str(f"n={n} ppl #{s} {method}" + (f" ({match})" if match else ""))
                     (nll, count), budgets = runner.run(method, match, lambda: tail_nll(model, ids))
                     ppl_rows.append({"method": method, "match": match, "n": n, "sample": s, "nll": nll, "tokens": count,
@@ -800,8 +828,9 @@ def parse_args(argv=None):
                    help="seconds after the program's start (the model's loading included) after which the run "
                         "stops between two prompts, saving what it has (continue it with --resume)")
     p.add_argument("--resume", default=None,
-                   help="the results JSON of a stopped run of the same configuration: its finished prompts "
-                        "are kept, the rest run, and the file is completed in place")
+                   help="the results JSON of an earlier run of the same configuration (--methods and --match "
+                        "may add to its own): its answers are kept, the rest run, and the file is completed "
+                        "in place")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                    help="dtype of the model's weights and activations (default bfloat16)")
     add_run_arguments(p)

@@ -709,7 +709,8 @@ def test_layers_speedups_summary_and_results(tmp_path):
 
 def test_accuracy_resumes_a_stopped_run(tmp_path, tiny_model_dir):
     """A run stopped by --time-limit and continued with --resume ends with the answers of one
-    uninterrupted run; a prompt left half done is answered again, and a changed configuration refused."""
+    uninterrupted run; on a prompt left half done only the missing arm is answered (a peer matched to
+    CoSA, with CoSA's lists of that prompt computed again), and a changed configuration is refused."""
     argv = ["--lengths", "512", "--samples", "2", "--ppl-samples", "1", "--methods", "dense,cosa,xattention",
             "--tasks", "niah_single,vt", "--no-drop-failed-tasks"]
     whole = accuracy_run(tmp_path / "whole", tiny_model_dir, *argv)
@@ -727,11 +728,12 @@ def test_accuracy_resumes_a_stopped_run(tmp_path, tiny_model_dir):
     assert rc == 0
     resumed = json.loads(path.read_text())
     assert resumed["complete"] and len(resumed["runs"]) == 2
-    # Finished prompts were kept, not answered again; the half-done last prompt was answered anew.
+    # Every answer of the earlier run was kept; only the missing one (xattention on the last prompt) ran.
     last = whole["samples"][-1]
-    redone = [r for r in resumed["samples"] if (r["task"], r["sample"]) == (last["task"], last["sample"])]
-    assert len(redone) == 3 and all(r["answer"] != "from the earlier run" for r in redone)
-    assert all(r["answer"] == "from the earlier run" for r in resumed["samples"] if r not in redone)
+    assert (last["method"], last["match"]) == ("xattention", "stage1")
+    redone = [r for r in resumed["samples"] if r["answer"] != "from the earlier run"]
+    assert [(r["method"], r["task"], r["sample"]) for r in redone] == [("xattention", last["task"], last["sample"])]
+    assert {k: v for k, v in redone[0].items() if k != "answer"} == {k: v for k, v in last.items() if k != "answer"}
 
     def key(r):
         return r["method"], r["match"] or "", r["n"], r.get("task", ""), r["sample"]
@@ -745,6 +747,42 @@ def test_accuracy_resumes_a_stopped_run(tmp_path, tiny_model_dir):
         accuracy.main(["--model", str(tiny_model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3",
                        "--device", "cpu", "--bootstrap", "200", "--resume", str(path),
                        *[a if a != "2" else "3" for a in argv]])
+
+
+def test_accuracy_resume_adds_methods(tmp_path, tiny_model_dir):
+    """--resume with more methods and match entries than the run it continues keeps that run's answers
+    (dense is not run again) and adds the new arms, equal to those of one run with every method; a
+    resume that leaves out a method of that run is refused."""
+    common_argv = ["--lengths", "512", "--samples", "2", "--ppl-samples", "1", "--tasks", "niah_single,vt",
+                   "--no-drop-failed-tasks"]
+    every = accuracy_run(tmp_path / "every", tiny_model_dir, *common_argv,
+                         "--methods", "dense,cosa,xattention", "--match", "stage1,none")
+    first = accuracy_run(tmp_path / "first", tiny_model_dir, *common_argv, "--methods", "dense,cosa")
+    path = next((tmp_path / "first").glob("accuracy-*.json"))
+    marked = {**first, "samples": [{**r, "answer": "from the first run"} for r in first["samples"]]}
+    path.write_text(json.dumps(marked))
+    run = ["--model", str(tiny_model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3", "--device", "cpu",
+           "--bootstrap", "200", "--resume", str(path), *common_argv]
+    assert accuracy.main([*run, "--methods", "dense,cosa,xattention", "--match", "stage1,none"]) == 0
+    extended = json.loads(path.read_text())
+    assert extended["complete"] and extended["config"]["methods"] == ["dense", "cosa", "xattention"]
+    new = [r for r in extended["samples"] if r["answer"] != "from the first run"]
+    assert {(r["method"], r["match"]) for r in new} == {("xattention", "stage1"), ("xattention", "none")}
+    assert len([r for r in extended["samples"] if r["method"] in ("dense", "cosa")]) == len(first["samples"])
+
+    def key(r):
+        return r["method"], r["match"] or "", r["n"], r.get("task", ""), r["sample"]
+
+    for field, value in (("samples", "score"), ("ppl", "nll")):
+        got = {key(r): r[value] for r in extended[field]}
+        want = {key(r): r[value] for r in every[field]}
+        assert got.keys() == want.keys()
+        assert [got[k] for k in sorted(got)] == pytest.approx([want[k] for k in sorted(want)])
+    for field in ("stage1", "realised"):  # the matched peer saw CoSA's lists of the same prompt
+        assert ({key(r): r[field] for r in extended["samples"] if r["method"] == "xattention"}
+                == pytest.approx({key(r): r[field] for r in every["samples"] if r["method"] == "xattention"}))
+    with pytest.raises(SystemExit, match="--methods must include that run's dense, cosa, xattention"):
+        accuracy.main([*run, "--methods", "dense,xattention", "--match", "none"])
 
 
 def test_accuracy_time_limit_counts_the_model_load(tmp_path, tiny_model_dir, monkeypatch):
