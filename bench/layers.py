@@ -20,6 +20,14 @@ freed. Then, per layer:
                   mass that the kept blocks hold (mass_native, mass_fp8)
   osk, osk-fp8    OSK alone (the defaults' delta and vote) on the lists of kap and kap-fp8: with the
                   KAP rows they split cosa and cosa-fp8 into their two stages
+  osk-noskip      OSK alone on kap's lists with the skip off (delta 0)
+  osk-skipnone    the same with the skip on but a threshold so low that nothing is skipped (delta 1e-30)
+
+The ``osk`` row also carries two ratios from those three times on the same lists: ``skip_tax``, the
+skip-none time over the skip-off time (what the skip machinery costs the blocks that are computed;
+1 when free), and ``skip_cost``, what a skipped block costs as a share of a computed one with the
+machinery on: ``(t_osk / t_skipnone - r) / (1 - r)`` with ``r`` = realised / stage-1 budget (the
+per-block model ignores each tile's fixed cost; None when under 5% of the listed blocks are skipped).
 
 With ``--lists-only`` nothing is timed, and the run needs no GPU (``--device cpu`` captures on the CPU
 and computes the lists with the ops' CPU path, the PyTorch reference): per layer only the ``kap`` and
@@ -52,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, relative_error, require_cuda,  # noqa: E402
                     save_figure, start_run, time_ms, write_json)
-from kernel import (BLOCK, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense, guarded,  # noqa: E402
-                    load_fa4, one_line, reference_rows, rows_of, sdpa)
+from kernel import (BLOCK, NO_SKIP_DELTA, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense,  # noqa: E402
+                    guarded, load_fa4, one_line, reference_rows, rows_of, sdpa)
 import proxies  # noqa: E402
 from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 
@@ -62,12 +70,16 @@ COSA_VARIANTS = {"cosa": {}, "cosa-noskip": {"delta": 0.0}, "cosa-tile": {"vote"
                  "cosa-fp8": {"proxy_precision": "fp8"}}
 CHECKED_BLOCKS = 8
 TABLE_COLUMNS = ("layer", "n", "impl", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
-                 "max_row_err", "iou_vs_native", "mass_native", "mass_fp8")
+                 "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_tax", "skip_cost")
 SUMMARY_COLUMNS = ("impl", "layers", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
-                   "max_row_err", "iou_vs_native", "mass_native", "mass_fp8")
+                   "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_tax", "skip_cost")
 LISTS_COLUMNS = ("layer", "n", "impl", "stage1_budget", "iou_vs_native", "mass_native", "mass_fp8")
 PRECISION_IMPLS = {"native": "kap", "fp8": "kap-fp8"}
 OSK_IMPLS = {"native": "osk", "fp8": "osk-fp8"}
+# OSK alone on the native lists besides the defaults: the skip off, and on with nothing skipped.
+OSK_SKIP_VARIANTS = {"osk-noskip": {"delta": 0.0}, "osk-skipnone": {"delta": NO_SKIP_DELTA}}
+# Below this share of skipped blocks a skipped block's cost is not estimated (a ratio of small differences).
+MIN_SKIPPED_SHARE = 0.05
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,10 +286,16 @@ class LayerRun:
         report_agreement(layer, comparison)
         for precision, impl in OSK_IMPLS.items():
             self.guarded(f"layer {layer} {impl}", self.osk_row, layer, impl, *lists[precision], s, check, scale)
+        for impl, options in OSK_SKIP_VARIANTS.items():
+            self.guarded(f"layer {layer} {impl}", self.osk_row, layer, impl, *lists["native"], s, check, scale,
+                         options)
+        mine = {r["impl"]: r for r in self.rows if r["layer"] == layer}
+        if all(impl in mine for impl in ("osk", *OSK_SKIP_VARIANTS)):
+            mine["osk"].update(skip_ratios(mine["osk"], mine["osk-noskip"], mine["osk-skipnone"]))
 
-    def osk_row(self, layer, impl: str, order, counts, s: InputSet, check: Check, scale):
+    def osk_row(self, layer, impl: str, order, counts, s: InputSet, check: Check, scale, options=None):
         run = lambda: self.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
-                                    s.seqused_k, order, counts, check.n, softmax_scale=scale)
+                                    s.seqused_k, order, counts, check.n, softmax_scale=scale, **(options or {}))
         out, _, skipped = run()
         stage1, realised = self.cosa.reference.budgets(counts, skipped, s.cu_seqlens_q, s.seqused_k)
         self.add(layer, impl, time_ms(run), check, out, stage1, realised)
@@ -286,6 +304,16 @@ class LayerRun:
 # ---------------------------------------------------------------------------------------------
 # Results
 # ---------------------------------------------------------------------------------------------
+
+
+def skip_ratios(osk: dict, noskip: dict, skipnone: dict) -> dict:
+    """``skip_tax`` and ``skip_cost`` (module docstring) of OSK's rows at the defaults, with the skip
+    off and with nothing skipped, all on the same lists."""
+    computed = osk["realised_budget"] / osk["stage1_budget"]
+    skip_cost = None
+    if 1 - computed >= MIN_SKIPPED_SHARE:
+        skip_cost = (osk["ms"] / skipnone["ms"] - computed) / (1 - computed)
+    return {"skip_tax": skipnone["ms"] / noskip["ms"], "skip_cost": skip_cost}
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -343,7 +371,8 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
         by_layer = {r["layer"]: r for r in rows if r["impl"] == impl}
         xs = [j + (i - (len(impls) - 1) / 2) * width for j, layer in enumerate(layers) if layer in by_layer]
         mine = [by_layer[layer] for layer in layers if layer in by_layer]
-        color = f"C{i % 10}"
+        # Ten default colours until they would repeat; then twenty, so that no two rows share one.
+        color = f"C{i}" if len(impls) <= 10 else plt.get_cmap("tab20")(i % 20)
         ax_ms.bar(xs, [r["ms"] for r in mine], width, label=impl, color=color)
         if not impl.startswith(("kap", "osk")):
             ax_x.bar(xs, [r[f"x_{anchor}"] or 0.0 for r in mine], width, label=impl, color=color)

@@ -629,7 +629,7 @@ def test_layers_one_layer_on_the_cpu(monkeypatch):
     run.layer(5, q, k, v, None)
     assert run.failures == []
     rows = {r["impl"]: r for r in run.rows}
-    assert list(rows) == ["cudnn", *layers.COSA_VARIANTS, "kap", "kap-fp8", "osk", "osk-fp8"]
+    assert list(rows) == ["cudnn", *layers.COSA_VARIANTS, "kap", "kap-fp8", "osk", "osk-fp8", *layers.OSK_SKIP_VARIANTS]
     assert all(r["layer"] == 5 and r["n"] == n and r["kind"] == "layer" for r in run.rows)
     assert rows["cudnn"]["rel_err"] < 1e-2 and rows["cudnn"]["stage1_budget"] == 1.0
     for impl in layers.COSA_VARIANTS:
@@ -646,9 +646,24 @@ def test_layers_one_layer_on_the_cpu(monkeypatch):
     fp8 = rows["kap-fp8"]
     assert 0.9 < fp8["iou_vs_native"] <= 1 and 0 < fp8["mass_fp8"] <= 1 and 0 < fp8["mass_native"] <= 1
     # OSK alone on each precision's lists is the second stage of the CoSA row with that proxy.
-    for osk_impl, cosa_impl in (("osk", "cosa"), ("osk-fp8", "cosa-fp8")):
+    for osk_impl, cosa_impl in (("osk", "cosa"), ("osk-fp8", "cosa-fp8"), ("osk-noskip", "cosa-noskip"),
+                                ("osk-skipnone", "cosa-noskip")):  # nothing skipped: the skip-off output
         for key in ("stage1_budget", "realised_budget", "rel_err", "max_row_err"):
             assert rows[osk_impl][key] == rows[cosa_impl][key], (osk_impl, key)
+    # The timer is stubbed (every row 1 ms): the skip costs nothing and a skipped block a computed one.
+    assert rows["osk"]["skip_tax"] == 1.0 and rows["osk"]["skip_cost"] == pytest.approx(1.0)
+    assert all("skip_tax" not in r for impl, r in rows.items() if impl != "osk")
+
+
+def test_layers_skip_ratios():
+    """skip_cost: a skipped block's time as a share of a computed one's with the machinery on, from OSK
+    at the defaults against the same lists with nothing skipped; skip_tax: nothing skipped over skip off."""
+    osk = {"ms": 0.8, "stage1_budget": 0.4, "realised_budget": 0.2}  # half the listed blocks skipped
+    ratios = layers.skip_ratios(osk, {"ms": 0.95}, {"ms": 1.0})
+    # 0.8 = 1.0 * (0.5 computed + 0.5 skipped * cost)  ->  cost 0.6
+    assert ratios == {"skip_tax": pytest.approx(1.0 / 0.95), "skip_cost": pytest.approx(0.6)}
+    few = layers.skip_ratios({**osk, "realised_budget": 0.39}, {"ms": 1.0}, {"ms": 1.0})
+    assert few["skip_cost"] is None and few["skip_tax"] == 1.0  # 2.5% skipped: not estimated
 
 
 def test_layers_lists_only_on_the_cpu(tiny_model_dir, haystack_dir, tmp_path):
@@ -705,6 +720,10 @@ def test_layers_speedups_summary_and_results(tmp_path):
     assert [s["impl"] for s in data["summary"]] == list(summary)
     if HAS_MATPLOTLIB:
         assert layers.plot(rows, path.with_suffix(".png"), "tiny") and path.with_suffix(".png").exists()
+        # More rows than the ten default colours (a full run has 14 per layer).
+        many = [layer_row(2, "fa4", 3.0), *(layer_row(2, f"row{i}", 1.0 + i, 0.3, 0.01) for i in range(13))]
+        layers.add_speedups(many)
+        assert layers.plot(many, tmp_path / "many.png", "tiny") and (tmp_path / "many.png").exists()
 
 
 def test_accuracy_resumes_a_stopped_run(tmp_path, tiny_model_dir):
