@@ -21,7 +21,9 @@ Methods (prefill only; decoding is always dense):
   cosa           KAP's lists run by OSK with the in-kernel skip (--top-p, --stride, --proxy-precision,
                  --delta, --vote): the two ops that cosa.prefill chains, called one after the other so
                  that the lists are seen
-  kap            the same lists without the skip (delta 0)
+  cosa-fp8       the same with KAP's fp8 (e4m3) proxy, whatever --proxy-precision says: the two
+                 proxies side by side on the same prompts
+  kap            the same lists as cosa, without the skip (delta 0)
   kap-ascending  KAP's lists sorted ascending, run by OSK with the skip at the same delta and vote: KAP's
                  visiting order against ascending order (the realised budgets give the skip ratios)
   xattention, flexprefill, meanpool
@@ -87,7 +89,7 @@ from cosa import defaults, reference  # noqa: E402
 from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
-METHODS = ("dense", "cosa", "kap", "kap-ascending", *proxies.PEERS)
+METHODS = ("dense", "cosa", "cosa-fp8", "kap", "kap-ascending", *proxies.PEERS)
 MATCH_RULES = ("stage1", "realised", "none")
 SCORE_COLUMNS = ("method", "match", "n", "task", "score [95% CI]", "diff vs dense [95% CI]", "samples", "stage1",
                  "realised")
@@ -296,10 +298,11 @@ def score_answer(text: str, answers: list[str]) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def kap_lists(q: torch.Tensor, k: torch.Tensor, args, softmax_scale: float | None):
-    """KAP's ordered lists ``(order, counts)`` of one sequence (``cosa.kap``: the CUDA kernel on the GPU)."""
+def kap_lists(q: torch.Tensor, k: torch.Tensor, args, softmax_scale: float | None, proxy_precision: str | None = None):
+    """KAP's ordered lists ``(order, counts)`` of one sequence (``cosa.kap``: the CUDA kernel on the GPU),
+    with --proxy-precision unless ``proxy_precision`` is given."""
     return cosa.kap(*kap_layout_args(paged_from_contiguous(q, k)), stride=args.stride, top_p=args.top_p, softmax_scale=softmax_scale,
-                    proxy_precision=args.proxy_precision)
+                    proxy_precision=proxy_precision or args.proxy_precision)
 
 
 def ascending_lists(order: torch.Tensor, counts: torch.Tensor):
@@ -339,6 +342,8 @@ class Runner:
             call = (getattr(module, "layer_idx", None), q.shape[0], k.shape[0])
             if method in ("cosa", "kap"):
                 order, counts = kap_lists(q, k, a, scale)
+            elif method == "cosa-fp8":
+                order, counts = kap_lists(q, k, a, scale, "fp8")
             elif method == "kap-ascending":
                 order, counts = ascending_lists(*kap_lists(q, k, a, scale))
             else:
@@ -380,7 +385,7 @@ class Runner:
         if method == "dense":
             with torch.no_grad():
                 return fn(), dict(DENSE_BUDGETS)
-        delta = a.delta if method in ("cosa", "kap-ascending") else 0.0
+        delta = a.delta if method in ("cosa", "cosa-fp8", "kap-ascending") else 0.0
         handle = cosa_hf.enable(self.model, stride=a.stride, delta=delta, vote=a.vote,
                                 min_prefill_tokens=a.min_prefill_tokens, collect_stats=True,
                                 block_selector=self.selector(method, match))
@@ -780,14 +785,14 @@ def parse_args(argv=None):
     p.add_argument("--haystack-dir", default=None, help="folder of .txt files (default: synthetic filler)")
     p.add_argument("--ppl-dir", default=None, help="folder of .txt files for perplexity (default: the haystack)")
     p.add_argument("--top-p", type=float, default=defaults.TOP_P,
-                   help=f"KAP's top-p, the share of the proxy mass its lists keep (cosa, kap and "
+                   help=f"KAP's top-p, the share of the proxy mass its lists keep (cosa, cosa-fp8, kap and "
                         f"kap-ascending; default {defaults.TOP_P})")
     p.add_argument("--delta", type=float, default=defaults.DELTA,
-                   help=f"OSK's skip threshold for cosa and kap-ascending (<= 0: no in-kernel skip; kap and "
+                   help=f"OSK's skip threshold for cosa, cosa-fp8 and kap-ascending (<= 0: no in-kernel skip; kap and "
                         f"the peers always run without it; default {defaults.DELTA:g})")
     p.add_argument("--vote", choices=reference.VOTE_SCOPES, default=defaults.VOTE,
-                   help=f"who decides a skip together, each 64-row half of a tile or the tile (cosa and "
-                        f"kap-ascending; default {defaults.VOTE})")
+                   help=f"who decides a skip together, each 64-row half of a tile or the tile (cosa, cosa-fp8 "
+                        f"and kap-ascending; default {defaults.VOTE})")
     p.add_argument("--proxy-precision", choices=reference.PROXY_PRECISIONS, default=defaults.PROXY_PRECISION,
                    help=f"what KAP's proxy GEMM multiplies for cosa, kap and kap-ascending: q and k as given, "
                         f"or e4m3 copies (default {defaults.PROXY_PRECISION})")

@@ -159,6 +159,25 @@ def test_accuracy_cpu(tmp_path, tiny_model_dir):
     assert any(tmp_path.glob("accuracy-*.png")) or not HAS_MATPLOTLIB
 
 
+def test_accuracy_cosa_fp8_arm(tmp_path, tiny_model_dir, monkeypatch):
+    """cosa-fp8 runs KAP with the fp8 proxy and cosa with --proxy-precision's, on the same prompts."""
+    seen = []
+    real_kap = accuracy.cosa.kap
+
+    def spy(*a, **kw):
+        seen.append(kw["proxy_precision"])
+        return real_kap(*a, **kw)
+
+    monkeypatch.setattr(accuracy.cosa, "kap", spy)
+    data = accuracy_run(tmp_path, tiny_model_dir, "--lengths", "512", "--samples", "1", "--ppl-samples", "0",
+                        "--tasks", "niah_single", "--methods", "dense,cosa,cosa-fp8", "--no-drop-failed-tasks")
+    assert arms(data["samples"]) == {("dense", None), ("cosa", None), ("cosa-fp8", None)}
+    calls = len(seen) // 2  # the sparse calls of one prefill, once per arm
+    assert calls > 0 and seen == ["native"] * calls + ["fp8"] * calls
+    fp8 = next(r for r in data["samples"] if r["method"] == "cosa-fp8")
+    assert 0 < fp8["realised"] <= fp8["stage1"] <= 1
+
+
 def test_accuracy_peers_at_a_fixed_budget(tmp_path, tiny_model_dir):
     data = accuracy_run(tmp_path, tiny_model_dir, "--lengths", "1024", "--samples", "1", "--ppl-samples", "0",
                         "--tasks", "niah_single", "--methods", "xattention,meanpool", "--match", "0.30")
@@ -402,7 +421,8 @@ def test_stage1_matching_gives_each_peer_cosas_list_lengths(tiny_model_dir, monk
 
 
 def test_accuracy_skip_only_where_the_method_has_it(tiny_model_dir, monkeypatch):
-    """cosa and kap-ascending run OSK with the skip at --delta and --vote; kap and the peers without it."""
+    """cosa, cosa-fp8 and kap-ascending run OSK with the skip at --delta and --vote; kap and the peers
+    without it."""
     import cosa.integrations.transformers as cosa_hf
 
     settings = {}
@@ -423,7 +443,7 @@ def test_accuracy_skip_only_where_the_method_has_it(tiny_model_dir, monkeypatch)
         _, budgets = runner.run(method, match, lambda: accuracy.tail_nll(model, ids))
         assert 0 < budgets["realised"] <= budgets["stage1"] <= 1
     skip = (300.0, "tile")
-    assert settings == {"cosa": skip, "kap": (0.0, "tile"), "kap-ascending": skip,
+    assert settings == {"cosa": skip, "cosa-fp8": skip, "kap": (0.0, "tile"), "kap-ascending": skip,
                         **{peer: (0.0, "tile") for peer in accuracy.proxies.PEERS}}
 
 
