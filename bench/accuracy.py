@@ -59,7 +59,7 @@ so dense answers each prompt once however many sittings the comparison takes (th
 to CoSA get CoSA's lists of each prompt from one more CoSA prefill).
 
     python bench/accuracy.py --model DIR|FILE.gguf [--lengths 8192 16384 32768] [--samples 50]
-        [--tasks ...] [--methods dense,cosa,kap,kap-ascending,xattention,flexprefill,meanpool]
+        [--tasks ...] [--methods dense,cosa,cosa-fp8,kap,kap-ascending,xattention,flexprefill,meanpool]
         [--match stage1,none] [--haystack-dir DIR] [--ppl-samples 8] [--time-limit S] [--resume FILE]
         [--plot] [--out bench/results]
 """
