@@ -37,6 +37,19 @@ def test_bad_arguments_are_refused_by_name(argv, named, capsys):
     assert named in capsys.readouterr().err
 
 
+def test_ptxas_report_names_both_serialisation_warnings():
+    log = ("ptxas info    : Compiling entry function '_ZN1p3osk14osk_fwd_kernelILb0EEEvNS0_15OskKernelParamsE' for 'sm_90a'\n"
+           "ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+           "non wgmma instructions defining input registers of a wgmma between start and end of the pipeline stage\n"
+           "ptxas info    : Function properties for x\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 168 registers\n")
+    assert osk_ab.ptxas_report("v", log) == ["  v (no skip): 168 registers, 0 bytes spilled",
+                                             "  v: ptxas serialised the wgmmas (C7513)"]
+    assert osk_ab.ptxas_report("v", log.replace("C7513", "C7514"))[-1] == "  v: ptxas serialised the wgmmas (C7514)"
+    assert len(osk_ab.ptxas_report("v", log.replace("(C7513)", ""))) == 1
+
+
 def test_row_lines_parse():
     line = "ROW case=random-25%-16K variant=osk_tree_max ms=1.0800 ratio=0.9700 mismatches=0 rounds=1.1,1.08,1.07"
     case, label, ms, ratio, mismatches, rounds = osk_ab.ROW.match(line).groups()
