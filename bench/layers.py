@@ -25,8 +25,9 @@ freed. Then, per layer:
 
 The ``kap`` and ``kap-fp8`` rows carry ``stages_ms``, each stage's kernel time per call under
 torch.profiler (input checks, index, key range, quantisation, scoring, select, other; the kernels of
-the chain overlap, so the stages sum to more than the row's time). The ``osk`` row also carries two ratios from those three times on the same lists: ``skip_tax``, the
-skip-none time over the skip-off time (what the skip machinery costs the blocks that are computed;
+the chain overlap, so the stages sum to more than the row's time). The ``osk`` row also carries two
+ratios from the three OSK times on the native lists: ``skip_tax``, the skip-none time over the
+skip-off time (what the skip machinery costs the blocks that are computed;
 1 when free), and ``skip_cost``, what a skipped block costs as a share of a computed one with the
 machinery on: ``(t_osk / t_skipnone - r) / (1 - r)`` with ``r`` = realised / stage-1 budget (the
 per-block model ignores each tile's fixed cost; None when under 5% of the listed blocks are skipped).
