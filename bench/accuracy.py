@@ -447,6 +447,12 @@ class OutOfTime(Exception):
 EXTENDABLE_OPTIONS = ("methods", "match")
 
 
+def missing_arms(rows: list[dict], arms: list, **where) -> list:
+    """The arms ``(method, match)`` of ``arms`` with no row among ``rows`` whose fields equal ``where``."""
+    done = {(r["method"], r["match"]) for r in rows if all(r[key] == value for key, value in where.items())}
+    return [arm for arm in arms if arm not in done]
+
+
 def load_resumed(path: Path, args, name: str) -> dict:
     """The results file of an earlier run of the same configuration, to be continued in place; the
     methods and match entries may be a superset of that run's."""
@@ -512,8 +518,7 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
 
     def answer_task(n, task, s, make_prompt, arms_here):
         """The arms of ``arms_here`` that no earlier run answered on this prompt."""
-        done = {(r["method"], r["match"]) for r in samples if (r["n"], r["task"], r["sample"]) == (n, task, s)}
-        todo = [arm for arm in arms_here if arm not in done]
+        todo = missing_arms(samples, arms_here, n=n, task=task, sample=s)
         if not todo:
             return
         next_prompt()
@@ -557,8 +562,7 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
                     answer_task(n, task, s, lambda: prompt(task, s), sparse_arms if judge_tasks else arms)
                 save()
             for s in range(args.ppl_samples):
-                done = {(r["method"], r["match"]) for r in ppl_rows if (r["n"], r["sample"]) == (n, s)}
-                todo = [arm for arm in arms if arm not in done]
+                todo = missing_arms(ppl_rows, arms, n=n, sample=s)
                 if not todo:
                     continue
                 next_prompt()
