@@ -1,5 +1,6 @@
 """Helpers shared by the benchmarks: run metadata, timing, progress lines, tables, JSON.
-Bootstrap intervals of means, plain and paired (the statistics of bench/accuracy.py).
+Bootstrap intervals of means, plain and paired (the statistics of bench/accuracy.py). KAP's kernel
+times per stage under torch.profiler (bench/kernel.py, bench/layers.py).
 
 Nothing here imports `cosa`: the dense and FlexAttention rows must run on a machine where the
 extension is not built.
@@ -270,3 +271,42 @@ def paired_difference(values, baseline, resamples: int = 2000, seed: int = 0,
                          f"and {b.numel()}")
     diff = a - b
     return (float(diff.mean()), *bootstrap_interval(diff, resamples, seed, level))
+
+
+# KAP's kernels by stage, matched by name in the profiler's trace (csrc/kap, csrc/checks).
+KAP_STAGES = {"checks": ("check_lengths_and_pages", "check_lists"), "index": ("kap_index_kernel",),
+              "key_range": ("kap_key_range_kernel",), "quantize": ("kap_quantize_kernel",),
+              "score": ("kap_score_kernel",), "select": ("kap_select_",)}
+PROFILED_CALLS = 5
+
+
+def stage_times(kernels: list[tuple[str, float]], calls: int) -> dict[str, float]:
+    """Milliseconds per call of each KAP stage (:data:`KAP_STAGES`; ``other`` for the rest) from
+    ``(kernel name, total device microseconds)`` pairs of ``calls`` profiled calls."""
+    out = dict.fromkeys([*KAP_STAGES, "other"], 0.0)
+    for name, total_us in kernels:
+        stage = next((st for st, marks in KAP_STAGES.items() if any(m in name for m in marks)), "other")
+        out[stage] += total_us / 1000 / calls
+    return out
+
+
+def kap_stage_times(run, calls: int = PROFILED_CALLS) -> dict[str, float]:
+    """Each KAP stage's kernel time per call under torch.profiler. The chain's kernels are dependent
+    launches that overlap, so the stages sum to more than the row's time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    # Only the device's own events (kernels, memsets): a host-side op's device time is its kernels' again.
+    kernels = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    return stage_times(kernels, calls)
+
+
+def record_kap_stages(row: dict, run, label: str) -> None:
+    """``row["stages_ms"]`` from :func:`kap_stage_times` of ``run``, and a progress line under ``label``."""
+    row["stages_ms"] = kap_stage_times(run)
+    progress(f"  {label} KAP kernels (ms per call): "
+             + ", ".join(f"{stage} {ms:.3f}" for stage, ms in row["stages_ms"].items() if ms))

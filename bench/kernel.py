@@ -16,7 +16,8 @@ Rows (bench/README.md says what each one means and how the derived numbers are d
   cosa   prefill-<v>[-unchecked]                     KAP + OSK with skip, structured input
 (<v>: the vote scope of the skip, tile or warpgroup; -unchecked: with cosa.set_device_checks(False),
 i.e. without the ops' checks of index-tensor contents and their one host synchronisation per call;
--graph: replayed from a CUDA graph, so without any host work: the GPU time of the kernels alone.)
+-graph: replayed from a CUDA graph, so without any host work: the GPU time of the kernels alone.
+The stride-<s>[-fp8] rows also hold stages_ms: each KAP kernel's time per call under torch.profiler.)
 The osk/kap/cosa rows appear only when torch.ops.cosa has CUDA kernels; the fa4 and flash-* rows
 only where FlashAttention-4 (the flash-attn-4 package) is installed and runs. Every attention row
 is checked in the same run against a float32 reference restricted to the same block lists.
@@ -43,8 +44,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO_ROOT, Rotation, argument_parser, finish_report, format_table, progress, relative_error, save_figure,  # noqa: E402
-                    require_cuda, results_path, run_metadata, time_ms, write_json)
+from common import (REPO_ROOT, Rotation, argument_parser, finish_report, format_table, progress, record_kap_stages,  # noqa: E402
+                    relative_error, save_figure, require_cuda, results_path, run_metadata, time_ms, write_json)
 
 BLOCK = 128
 CONFIG = {"batch": 1, "hq": 32, "hkv": 8, "d": 128, "dtype": "bfloat16", "page_size": 128}
@@ -733,6 +734,8 @@ class Bench:
                         ms = time_ms(lambda: run(sets.take()))
                     self.add("kap", f"{name}{suffix}", n, ms, budget=budget, list_match=match,
                              note=note + ("" if checks else ", device checks off"))
+                self.guarded(f"{name} stages at {n}", record_kap_stages, self.rows[-2], lambda: run(sets.take()),
+                             f"{name} at {n}:")
                 replay = graph_of(lambda: run(first))
                 self.add("kap", f"{name}-graph", n, time_ms(replay), budget=budget, list_match=match,
                          note=note + ", CUDA graph replay (no host work, no checks), one input set")

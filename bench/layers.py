@@ -61,8 +61,8 @@ from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, relative_error, require_cuda,  # noqa: E402
-                    save_figure, start_run, time_ms, write_json)
+from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, record_kap_stages,  # noqa: E402
+                    relative_error, require_cuda, save_figure, start_run, time_ms, write_json)
 from kernel import (BLOCK, NO_SKIP_DELTA, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense,  # noqa: E402
                     guarded, load_fa4, one_line, reference_rows, rows_of, sdpa)
 import proxies  # noqa: E402
@@ -83,11 +83,6 @@ OSK_IMPLS = {"native": "osk", "fp8": "osk-fp8"}
 OSK_SKIP_VARIANTS = {"osk-noskip": {"delta": 0.0}, "osk-skipnone": {"delta": NO_SKIP_DELTA}}
 # Below this share of skipped blocks a skipped block's cost is not estimated (a ratio of small differences).
 MIN_SKIPPED_SHARE = 0.05
-# KAP's kernels by stage, matched by name in the profiler's trace (csrc/kap, csrc/checks).
-KAP_STAGES = {"checks": ("check_lengths_and_pages", "check_lists"), "index": ("kap_index_kernel",),
-              "key_range": ("kap_key_range_kernel",), "quantize": ("kap_quantize_kernel",),
-              "score": ("kap_score_kernel",), "select": ("kap_select_",)}
-PROFILED_CALLS = 5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +284,8 @@ class LayerRun:
             order, counts = run()
             self.add(layer, impl, time_ms(run), check, stage1=stage1_budget(counts), realised=None)
             if s.q.is_cuda:  # a failure here costs only this field, not the rows after it
-                self.guarded(f"layer {layer} {impl} stages", self.kap_stages, self.rows[-1], run)
+                self.guarded(f"layer {layer} {impl} stages", record_kap_stages, self.rows[-1], run,
+                             f"layer {layer} {impl}")
             lists[precision] = (order, counts)
         comparison = list_agreement(lists, s.q, s.k, scale)
         self.rows[-1].update(comparison)
@@ -303,12 +299,6 @@ class LayerRun:
         if all(impl in mine for impl in ("osk", *OSK_SKIP_VARIANTS)):
             mine["osk"].update(skip_ratios(mine["osk"], mine["osk-noskip"], mine["osk-skipnone"]))
 
-    @staticmethod
-    def kap_stages(row: dict, run) -> None:
-        row["stages_ms"] = kap_stage_times(run)
-        progress(f"  layer {row['layer']} {row['impl']} kernels (ms per call): "
-                 + ", ".join(f"{k} {v:.3f}" for k, v in row["stages_ms"].items()))
-
     def osk_row(self, layer, impl: str, order, counts, s: InputSet, check: Check, scale, options=None):
         run = lambda: self.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
                                     s.seqused_k, order, counts, check.n, softmax_scale=scale, **(options or {}))
@@ -320,31 +310,6 @@ class LayerRun:
 # ---------------------------------------------------------------------------------------------
 # Results
 # ---------------------------------------------------------------------------------------------
-
-
-def stage_times(kernels: list[tuple[str, float]], calls: int) -> dict[str, float]:
-    """Milliseconds per call of each KAP stage (:data:`KAP_STAGES`; ``other`` for the rest) from
-    ``(kernel name, total device microseconds)`` pairs of ``calls`` profiled calls."""
-    out = dict.fromkeys([*KAP_STAGES, "other"], 0.0)
-    for name, total_us in kernels:
-        stage = next((st for st, marks in KAP_STAGES.items() if any(m in name for m in marks)), "other")
-        out[stage] += total_us / 1000 / calls
-    return out
-
-
-def kap_stage_times(run, calls: int = PROFILED_CALLS) -> dict[str, float]:
-    """Each KAP stage's kernel time per call under torch.profiler. The chain's kernels are dependent
-    launches that overlap, so the stages sum to more than the row's time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        torch.cuda.synchronize()
-    # Only the device's own events (kernels, memsets): a host-side op's device time is its kernels' again.
-    kernels = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    return stage_times(kernels, calls)
 
 
 def skip_ratios(osk: dict, noskip: dict, skipnone: dict) -> dict:

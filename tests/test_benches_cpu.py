@@ -676,7 +676,7 @@ def test_layers_one_layer_on_the_cpu(monkeypatch):
     assert all("stages_ms" not in r for r in rows.values())  # the profiler's kernel times need the GPU
 
 
-def test_layers_kap_stage_times():
+def test_kap_stage_times():
     """Kernel names from the profiler's trace summed per KAP stage and divided by the calls profiled."""
     kernels = [("void cosa::kap::kap_score_kernel<cutlass::bfloat16_t, 128, 8>(cosa::kap::KapDeviceArgs)", 900.0),
                ("void cosa::kap::kap_select_warp_kernel<4>(cosa::kap::KapDeviceArgs)", 200.0),
@@ -684,7 +684,7 @@ def test_layers_kap_stage_times():
                ("cosa::checks::check_lengths_and_pages(cosa::checks::InputCheckParams)", 15.0),
                ("kap_index_kernel(int const*, int, int, int*, int*, unsigned int*, long)", 10.0),
                ("Memset (Device)", 5.0)]
-    stages = layers.stage_times(kernels, calls=5)
+    stages = common.stage_times(kernels, calls=5)
     assert stages == pytest.approx({"checks": 0.003, "index": 0.002, "key_range": 0.0, "quantize": 0.0,
                                     "score": 0.18, "select": 0.06, "other": 0.001})
 
