@@ -20,7 +20,7 @@
 
 namespace cosa::kap {
 
-constexpr int kQuantizeThreads = kBlockSize;  // one thread per token of a block
+constexpr int kQuantizeThreads = 128;
 constexpr float kE4M3Max = 448.f;
 
 template <class Element>
@@ -161,7 +161,12 @@ __device__ __forceinline__ float key_centre(const KapDeviceArgs& args, int b, in
 }
 
 // Grid: x over the packed query blocks, then over the key blocks (batch * max_k_blocks); y over
-// query heads (key blocks use the first Hkv). Thread i owns token i of the block.
+// query heads (key blocks use the first Hkv). Each thread owns one 16-byte chunk (8 channels) of
+// every (128 / chunks per token)-th token of the block, so that a warp's loads and stores cover
+// whole token rows (coalesced), and holds its chunks as loaded: the values are converted (and
+// centred) once for amax and again for the quantisation, the same float32 operations both times,
+// which keeps the registers, and so the CTAs in flight per SM, at what the loads need. (With a
+// thread per token holding its whole row as floats, the pass moved about 2.1 TB/s on the H200.)
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kQuantizeThreads)
     kap_quantize_kernel(const KapDeviceArgs args) {
@@ -169,25 +174,37 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   // caches may come from the kernel before KAP.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
+  constexpr int kChunksPerToken = kHeadDim / 8;
+  constexpr int kTokenStep = kQuantizeThreads / kChunksPerToken;  // tokens between a thread's chunks
+  constexpr int kChunks = kBlockSize / kTokenStep;                 // chunks per thread
   const PagedLayout& L = args.layout;
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
+  const int chunk = tid % kChunksPerToken;  // channels 8 * chunk ... 8 * chunk + 7
+  const int first_token = tid / kChunksPerToken;
   const bool query_block = static_cast<int>(blockIdx.x) < L.num_q_blocks;
 
-  const Element* src = nullptr;
-  uint8_t* dst = nullptr;
+  uint4 raw[kChunks];
+  bool live[kChunks];
+  uint8_t* dst = nullptr;  // the thread's first chunk; the others follow kTokenStep rows apart
+  int64_t dst_token_stride = 0;
   float* scale_out = nullptr;
-  bool live = false;
-  __shared__ float centre[kHeadDim];  // keys: what every key of the block is taken from
+  float centre[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // keys: what each channel is taken from
   if (query_block) {
     const int g = static_cast<int>(blockIdx.x);
     const QueryBlock block = locate_query_block(L, g);  // warp-collective: every warp calls it
     if (!block.valid) return;
-    const int row_in_seq = block.block_in_seq * kBlockSize + tid;
-    live = row_in_seq < block.seqlen_q;
-    const int64_t token = static_cast<int64_t>(block.q_start) + row_in_seq;
-    src = static_cast<const Element*>(L.q) + token * L.q_row_stride + head * L.q_head_stride;
-    dst = args.q8 + (token * L.num_heads_q + head) * kHeadDim;
+    const int first_row = block.block_in_seq * kBlockSize + first_token;
+    const int64_t token = static_cast<int64_t>(block.q_start) + first_row;
+    const Element* src = static_cast<const Element*>(L.q) + token * L.q_row_stride + head * L.q_head_stride + 8 * chunk;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      live[i] = first_row + kTokenStep * i < block.seqlen_q;
+      raw[i] = live[i] ? *reinterpret_cast<const uint4*>(src + int64_t(kTokenStep) * i * L.q_row_stride)
+                       : make_uint4(0, 0, 0, 0);
+    }
+    dst_token_stride = int64_t(L.num_heads_q) * kHeadDim;
+    dst = args.q8 + token * dst_token_stride + head * kHeadDim + 8 * chunk;
     scale_out = args.q_scale + static_cast<int64_t>(g) * L.num_heads_q + head;
   } else {
     if (head >= L.num_heads_kv) return;
@@ -196,40 +213,46 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     const int key_block = slot % L.max_k_blocks;
     const int len_k = __ldg(L.seqused_k + b);
     if (key_block * kBlockSize >= len_k) return;  // past Lk: never read
-    if (tid < kHeadDim) centre[tid] = key_centre<kHeadDim>(args, b, head, tid);
-    __syncthreads();
-    const int key = key_block * kBlockSize + tid;
-    live = key < len_k;
-    if (live) {
-      const int page = __ldg(L.page_table + static_cast<int64_t>(b) * L.page_table_stride +
-                             key / L.page_size);
-      src = static_cast<const Element*>(L.k_cache) + page * L.k_page_stride +
-            (key % L.page_size) * L.k_row_stride + head * L.k_head_stride;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) centre[c] = key_centre<kHeadDim>(args, b, head, 8 * chunk + c);
+    const int32_t* page_row = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int key = key_block * kBlockSize + first_token + kTokenStep * i;
+      live[i] = key < len_k;
+      raw[i] = make_uint4(0, 0, 0, 0);
+      if (live[i]) {
+        const int page = __ldg(page_row + key / L.page_size);
+        raw[i] = *reinterpret_cast<const uint4*>(static_cast<const Element*>(L.k_cache) + page * L.k_page_stride +
+                                                 (key % L.page_size) * L.k_row_stride + head * L.k_head_stride +
+                                                 8 * chunk);
+      }
     }
-    dst = args.k8 + ((static_cast<int64_t>(slot) * kBlockSize + tid) * L.num_heads_kv + head) *
-                        kHeadDim;
+    dst_token_stride = int64_t(L.num_heads_kv) * kHeadDim;
+    dst = args.k8 + (static_cast<int64_t>(slot) * kBlockSize + first_token) * dst_token_stride + head * kHeadDim +
+          8 * chunk;
     scale_out = args.k_scale + static_cast<int64_t>(slot) * L.num_heads_kv + head;
   }
+  // Channels p, p + 1 of chunk i as floats, centred for keys (one IEEE subtraction each).
+  auto pair = [&](int i, int p) {
+    float2 v = to_float2<Element>(reinterpret_cast<const Element*>(&raw[i]) + 2 * p);
+    if (!query_block) {
+      v.x = __fsub_rn(v.x, centre[2 * p]);
+      v.y = __fsub_rn(v.y, centre[2 * p + 1]);
+    }
+    return v;
+  };
 
-  float2 values[kHeadDim / 2];
   float amax = 0.f;
   bool nan = false;
-  if (live) {
 #pragma unroll
-    for (int i = 0; i < kHeadDim / 8; ++i) {  // 16-byte loads
-      const uint4 chunk = *reinterpret_cast<const uint4*>(src + 8 * i);
-      const Element* e = reinterpret_cast<const Element*>(&chunk);
+  for (int i = 0; i < kChunks; ++i) {
+    if (!live[i]) continue;
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        float2 v = to_float2<Element>(e + 2 * p);
-        if (!query_block) {
-          v.x = __fsub_rn(v.x, centre[8 * i + 2 * p]);
-          v.y = __fsub_rn(v.y, centre[8 * i + 2 * p + 1]);
-        }
-        values[4 * i + p] = v;
-        amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
-        nan = nan || isnan(v.x) || isnan(v.y);
-      }
+    for (int p = 0; p < 4; ++p) {
+      const float2 v = pair(i, p);
+      amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+      nan = nan || isnan(v.x) || isnan(v.y);
     }
   }
   // fmaxf drops NaN: the flag carries it.
@@ -244,21 +267,21 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kE4M3Max);
   const float inverse = amax == 0.f ? 1.f : __fdiv_rn(kE4M3Max, amax);
   if (tid == 0) *scale_out = scale;
-  if (!live) return;
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 16; ++i) {  // 16-byte stores
-    uint32_t words[4];
+  for (int i = 0; i < kChunks; ++i) {  // 8-byte stores
+    if (!live[i]) continue;
+    uint32_t words[2];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const float2 lo = values[8 * i + 2 * w];
-      const float2 hi = values[8 * i + 2 * w + 1];
+    for (int w = 0; w < 2; ++w) {
+      const float2 lo = pair(i, 2 * w);
+      const float2 hi = pair(i, 2 * w + 1);
       const uint32_t lo2 = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(lo.x, inverse), __fmul_rn(lo.y, inverse)),
                                                     __NV_SATFINITE, __NV_E4M3);
       const uint32_t hi2 = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(hi.x, inverse), __fmul_rn(hi.y, inverse)),
                                                     __NV_SATFINITE, __NV_E4M3);
       words[w] = lo2 | (hi2 << 16);
     }
-    *reinterpret_cast<uint4*>(dst + 16 * i) = make_uint4(words[0], words[1], words[2], words[3]);
+    *reinterpret_cast<uint2*>(dst + kTokenStep * i * dst_token_stride) = make_uint2(words[0], words[1]);
   }
 }
 
