@@ -10,9 +10,11 @@ freed. Then, per layer:
 
   cudnn           SDPA cuDNN, dense causal (K/V with repeated heads: SDPA has no GQA path for it)
   fa4             FlashAttention-4 dense (flash_attn.cute, native GQA), when the package is installed
-  cosa            cosa.prefill at its defaults: KAP, then OSK with the in-kernel skip
+  cosa            cosa.prefill at its defaults: KAP, then OSK with the in-kernel skip (KAP's proxy
+                  "auto": the fp8 proxy from 16K keys)
   cosa-noskip     the same with the skip off (delta 0)
   cosa-tile       the defaults, the skip voted by all 128 rows of a tile
+  cosa-native     the defaults with KAP's native proxy (q and k as given)
   cosa-fp8        the defaults with KAP's fp8 (e4m3) proxy
   kap             KAP alone (stage 1: the ordered block lists)
   kap-fp8         KAP alone with the fp8 proxy; its row also compares its lists with kap's: the IoU of
@@ -70,7 +72,7 @@ from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 
 # cosa.prefill's keyword arguments of each CoSA row, over the wrapper's defaults.
 COSA_VARIANTS = {"cosa": {}, "cosa-noskip": {"delta": 0.0}, "cosa-tile": {"vote": "tile"},
-                 "cosa-fp8": {"proxy_precision": "fp8"}}
+                 "cosa-native": {"proxy_precision": "native"}, "cosa-fp8": {"proxy_precision": "fp8"}}
 CHECKED_BLOCKS = 8
 TABLE_COLUMNS = ("layer", "n", "impl", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
                  "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_tax", "skip_cost")

@@ -12,7 +12,10 @@ TOP_P = 0.95  # KAP's stage-1 top-p
 SOFTMAX_SCALE = None  # None: 1 / sqrt(head_dim)
 DELTA = 2000.0  # OSK's skip scale; <= 0 turns the in-kernel skip off
 VOTE = "warpgroup"  # who decides a skip together: each 64-row half of a tile ("warpgroup") or the tile
-PROXY_PRECISION = "native"  # what KAP's proxy GEMM multiplies: q and k as given, or "fp8" (e4m3) copies
+# What KAP's proxy GEMM multiplies: q and k as given ("native"), e4m3 copies ("fp8"), or "auto": the
+# fp8 proxy where the longest key sequence has at least FP8_PROXY_MIN_KEYS tokens, the native one below.
+PROXY_PRECISION = "auto"
+FP8_PROXY_MIN_KEYS = 16384
 
 # As the op schemas spell them: each entry becomes the macro COSA_DEFAULT_<NAME> of the header.
 SCHEMA_DEFAULTS = {"STRIDE": STRIDE, "TOP_P": TOP_P, "SOFTMAX_SCALE": SOFTMAX_SCALE, "DELTA": DELTA, "VOTE": VOTE,
@@ -23,7 +26,7 @@ def c_header() -> str:
     """The text of csrc/cosa_defaults.h."""
     # The enumerators of csrc/cosa_params.h that the string defaults name.
     vote_enumerators = {"tile": "kTile", "warpgroup": "kWarpgroup"}
-    precision_enumerators = {"native": "kNative", "fp8": "kE4M3"}
+    precision_enumerators = {"native": "kNative", "fp8": "kE4M3", "auto": "kAuto"}
     lines = ["// The defaults of the ops' tuning arguments, written by `python3 cosa/defaults.py >",
              "// csrc/cosa_defaults.h` from cosa/defaults.py, their one source (tests/test_ops.py fails when",
              "// this file is stale). Edit that file, not this one.",
@@ -33,7 +36,9 @@ def c_header() -> str:
               for name, value in SCHEMA_DEFAULTS.items()]
     lines += ["", "// The enumerators of csrc/cosa_params.h that the string defaults name.",
               f"#define COSA_DEFAULT_VOTE_SCOPE {vote_enumerators[VOTE]}",
-              f"#define COSA_DEFAULT_PROXY_PRECISION_ENUM {precision_enumerators[PROXY_PRECISION]}"]
+              f"#define COSA_DEFAULT_PROXY_PRECISION_ENUM {precision_enumerators[PROXY_PRECISION]}",
+              "", "// proxy_precision \"auto\" takes the fp8 proxy from this many keys (the longest sequence's).",
+              f"#define COSA_FP8_PROXY_MIN_KEYS {FP8_PROXY_MIN_KEYS}"]
     return "\n".join(lines) + "\n"
 
 

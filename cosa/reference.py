@@ -20,7 +20,7 @@ from . import defaults
 BLOCK = 128  # logical query/key block size (fixed by the method)
 HALF = BLOCK // 2  # rows of one consumer warpgroup of OSK: the unit of the per-warpgroup vote
 VOTE_SCOPES = ("warpgroup", "tile")  # spec section 3
-PROXY_PRECISIONS = ("native", "fp8")  # spec section 2
+PROXY_PRECISIONS = ("native", "fp8", "auto")  # spec section 2
 
 # Tiles processed together by the OSK reference; bounds its memory to a few hundred MB.
 _OSK_TILES_PER_CHUNK = 256
@@ -191,13 +191,22 @@ def _proxy_operand(x: torch.Tensor, proxy_precision: str, dt: torch.dtype, keys:
     return e4m3_block_values(x.float() - key_centres(x) if keys else x).to(dt)
 
 
+def resolved_proxy_precision(proxy_precision: str, max_seqlen_k: int) -> str:
+    """The proxy that ``proxy_precision`` selects: ``"auto"`` is ``"fp8"`` where the longest key
+    sequence has at least ``defaults.FP8_PROXY_MIN_KEYS`` tokens, ``"native"`` below (spec section 2)."""
+    if proxy_precision != "auto":
+        return proxy_precision
+    return "fp8" if max_seqlen_k >= defaults.FP8_PROXY_MIN_KEYS else "native"
+
+
 def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
                stride=defaults.STRIDE, softmax_scale=defaults.SOFTMAX_SCALE,
                proxy_precision=defaults.PROXY_PRECISION):
     """Block scores S and HRM flags H of every (query head, query block): float32 / bool
     ``[Hq, num_q_blocks, ceil(max_seqlen_k / 128)]``; -inf / False outside the causal candidates
     and on padding rows. ``proxy_precision="fp8"``: the proxy multiplies e4m3_block_values of each
-    sequence's queries and of its keys less their key_centres."""
+    sequence's queries and of its keys less their key_centres; ``"auto"``: resolved_proxy_precision."""
+    proxy_precision = resolved_proxy_precision(proxy_precision, max_seqlen_k)
     total_q, hq, d = q.shape
     batch = seqused_k.shape[0]
     nqb = num_q_blocks_bound(total_q, batch, max_seqlen_q)

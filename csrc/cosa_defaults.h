@@ -9,8 +9,11 @@
 #define COSA_DEFAULT_SOFTMAX_SCALE None
 #define COSA_DEFAULT_DELTA 2000.0
 #define COSA_DEFAULT_VOTE warpgroup
-#define COSA_DEFAULT_PROXY_PRECISION native
+#define COSA_DEFAULT_PROXY_PRECISION auto
 
 // The enumerators of csrc/cosa_params.h that the string defaults name.
 #define COSA_DEFAULT_VOTE_SCOPE kWarpgroup
-#define COSA_DEFAULT_PROXY_PRECISION_ENUM kNative
+#define COSA_DEFAULT_PROXY_PRECISION_ENUM kAuto
+
+// proxy_precision "auto" takes the fp8 proxy from this many keys (the longest sequence's).
+#define COSA_FP8_PROXY_MIN_KEYS 16384

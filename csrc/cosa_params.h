@@ -58,8 +58,15 @@ struct PagedLayout {
 };
 
 // What KAP's proxy GEMM multiplies (spec section 2): q and k as given, or e4m3 copies of them with
-// one scale per 128-token block and head.
-enum class ProxyPrecision : int { kNative = 0, kE4M3 = 1 };
+// one scale per 128-token block and head; kAuto: e4m3 where the longest key sequence has at least
+// COSA_FP8_PROXY_MIN_KEYS tokens (where it measured faster), as given below that.
+enum class ProxyPrecision : int { kNative = 0, kE4M3 = 1, kAuto = 2 };
+
+// The proxy that `precision` selects for a problem whose longest key sequence is max_seqlen_k.
+inline ProxyPrecision resolve_proxy_precision(ProxyPrecision precision, int max_seqlen_k) {
+  if (precision != ProxyPrecision::kAuto) return precision;
+  return max_seqlen_k >= COSA_FP8_PROXY_MIN_KEYS ? ProxyPrecision::kE4M3 : ProxyPrecision::kNative;
+}
 
 // KAP (spec section 2). Inputs are validated by the binding before launch.
 struct KapParams {

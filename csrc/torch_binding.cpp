@@ -298,8 +298,9 @@ void check_scalars(const OpArgs& a) {
                      std::string(*a.vote), "'");
   }
   if (a.proxy_precision) {
-    COSA_CHECK_VALUE(*a.proxy_precision == "native" || *a.proxy_precision == "fp8", op,
-                     "proxy_precision must be 'native' or 'fp8', got '", std::string(*a.proxy_precision), "'");
+    COSA_CHECK_VALUE(*a.proxy_precision == "native" || *a.proxy_precision == "fp8" || *a.proxy_precision == "auto",
+                     op, "proxy_precision must be 'native', 'fp8' or 'auto', got '", std::string(*a.proxy_precision),
+                     "'");
   }
 }
 
@@ -636,8 +637,9 @@ void check_launch(const char* op, const char* kernel, cudaError_t error) {
   TORCH_CHECK(error == cudaSuccess, message("cosa.", op, ": the ", kernel, " launch failed: ", cudaGetErrorString(error)));
 }
 
-cosa::ProxyPrecision proxy_precision_of(c10::string_view precision) {
-  return precision == "fp8" ? cosa::ProxyPrecision::kE4M3 : cosa::ProxyPrecision::kNative;  // checked by check_scalars
+cosa::ProxyPrecision proxy_precision_of(c10::string_view precision) {  // checked by check_scalars
+  if (precision == "fp8") return cosa::ProxyPrecision::kE4M3;
+  return precision == "auto" ? cosa::ProxyPrecision::kAuto : cosa::ProxyPrecision::kNative;
 }
 
 std::tuple<at::Tensor, at::Tensor> launch_kap(const char* op, const cosa::PagedLayout& layout, const at::Tensor& q,

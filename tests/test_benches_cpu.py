@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cosa import defaults
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import accuracy  # noqa: E402
 import common  # noqa: E402
@@ -173,7 +175,7 @@ def test_accuracy_cosa_fp8_arm(tmp_path, tiny_model_dir, monkeypatch):
                         "--tasks", "niah_single", "--methods", "dense,cosa,cosa-fp8", "--no-drop-failed-tasks")
     assert arms(data["samples"]) == {("dense", None), ("cosa", None), ("cosa-fp8", None)}
     calls = len(seen) // 2  # the sparse calls of one prefill, once per arm
-    assert calls > 0 and seen == ["native"] * calls + ["fp8"] * calls
+    assert calls > 0 and seen == [defaults.PROXY_PRECISION] * calls + ["fp8"] * calls
     fp8 = next(r for r in data["samples"] if r["method"] == "cosa-fp8")
     assert 0 < fp8["realised"] <= fp8["stage1"] <= 1
 

@@ -145,7 +145,7 @@ BAD_TUNING = [
     ("scale_negative", dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
     ("vote_word", dict(vote="both"), ValueError, "vote must be 'tile' or 'warpgroup', got 'both'"),
     ("proxy_precision_word", dict(proxy_precision="int8"), ValueError,
-     "proxy_precision must be 'native' or 'fp8', got 'int8'"),
+     "proxy_precision must be 'native', 'fp8' or 'auto', got 'int8'"),
 ]
 
 

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
+from cosa import defaults
 from cosa import reference as R
+from cosa.layout import kap_layout_args
 from cosa.testing import random_problem
 
 from helpers import assert_rows_close, dense_order, permute_lists, query_blocks, rel_err, run_dense, run_kap, run_osk
@@ -294,6 +296,18 @@ def test_fp8_proxy_keeps_the_kept_sets_of_clear_structure(stride):
     fp8_order, fp8_counts = run_kap(p, stride=stride, proxy_precision="fp8")
     assert torch.equal(native_counts, fp8_counts)
     assert torch.equal(native_order.sort(-1).values, fp8_order.sort(-1).values)
+
+
+@pytest.mark.parametrize("longest_keys,chosen", [(defaults.FP8_PROXY_MIN_KEYS - 128, "native"),
+                                                (defaults.FP8_PROXY_MIN_KEYS, "fp8")])
+def test_auto_proxy_is_fp8_from_the_threshold_on(longest_keys, chosen):
+    """proxy_precision "auto" (the default) scores with the fp8 proxy exactly where the longest key
+    sequence has FP8_PROXY_MIN_KEYS tokens or more, whatever the other sequences' lengths."""
+    p = random_problem([128, 64], [longest_keys, 64], 1, 1, 64, page_size=128, dtype=torch.float32, seed=5)
+    args = kap_layout_args(p)
+    auto, _ = R.kap_scores(*args, proxy_precision="auto")
+    assert torch.equal(auto, R.kap_scores(*args, proxy_precision=chosen)[0])
+    assert not torch.equal(auto, R.kap_scores(*args, proxy_precision={"native": "fp8", "fp8": "native"}[chosen])[0])
 
 
 def test_key_centres_are_the_midpoints_of_the_finite_values():

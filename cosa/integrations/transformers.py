@@ -156,7 +156,8 @@ def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: floa
     ``top_p``, ``stride``: KAP's stage-1 selection; ``delta``: OSK's skip scale (``<= 0``: no
     in-kernel skip); ``vote``: who decides a skip together, each 64-row half of a tile
     (``"warpgroup"``) or the whole tile (``"tile"``); ``proxy_precision``: what KAP's proxy GEMM
-    multiplies, q and k as given (``"native"``) or e4m3 copies (``"fp8"``); ``min_prefill_tokens``: shorter prefills (and every decode step) stay dense;
+    multiplies, q and k as given (``"native"``), e4m3 copies (``"fp8"``) or the fp8 proxy from 16K keys
+    on (``"auto"``); ``min_prefill_tokens``: shorter prefills (and every decode step) stay dense;
     ``collect_stats``: record each call's budgets in ``handle.calls`` (reads the lists on the host:
     one synchronisation per layer); ``block_selector``: replace KAP with another selection (the
     benchmarks feed the peers' masks to OSK this way)."""
@@ -167,7 +168,7 @@ def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: floa
     if vote not in reference.VOTE_SCOPES:
         raise ValueError(f"vote must be 'warpgroup' or 'tile', got {vote!r}")
     if proxy_precision not in reference.PROXY_PRECISIONS:
-        raise ValueError(f"proxy_precision must be 'native' or 'fp8', got {proxy_precision!r}")
+        raise ValueError(f"proxy_precision must be one of {', '.join(reference.PROXY_PRECISIONS)}, got {proxy_precision!r}")
     if min_prefill_tokens < 1:
         raise ValueError(f"min_prefill_tokens must be >= 1, got {min_prefill_tokens}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)

@@ -187,11 +187,22 @@ cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
 }  // namespace
 }  // namespace kap
 
-size_t kap_workspace_bytes(const KapParams& params) {
-  return kap::workspace_layout(params).total_bytes;
+namespace {
+// `given` with its proxy precision resolved (kAuto chooses by the problem's longest key sequence):
+// what the workspace is sized for and what runs.
+KapParams with_resolved_precision(const KapParams& given) {
+  KapParams params = given;
+  params.precision = resolve_proxy_precision(given.precision, given.layout.max_seqlen_k);
+  return params;
+}
+}  // namespace
+
+size_t kap_workspace_bytes(const KapParams& given) {
+  return kap::workspace_layout(with_resolved_precision(given)).total_bytes;
 }
 
-cudaError_t run_kap(const KapParams& params, cudaStream_t stream) {
+cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
+  const KapParams params = with_resolved_precision(given);
   const PagedLayout& layout = params.layout;
   if (params.stride != 4 && params.stride != 8 && params.stride != 16) return cudaErrorInvalidValue;
   if (params.precision != ProxyPrecision::kNative && params.precision != ProxyPrecision::kE4M3) {
