@@ -45,8 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--vote", choices=reference.VOTE_SCOPES, default=defaults.VOTE,
                    help=f"who decides a skip together: each 64-row half of a tile or the tile (default {defaults.VOTE})")
     p.add_argument("--proxy-precision", choices=reference.PROXY_PRECISIONS, default=defaults.PROXY_PRECISION,
-                   help="what KAP's proxy GEMM multiplies: q and k as given, or e4m3 copies "
-                        f"(default {defaults.PROXY_PRECISION})")
+                   help="what KAP's proxy GEMM multiplies: q and k as given (native), e4m3 copies (fp8), or "
+                        f"fp8 from {defaults.FP8_PROXY_MIN_KEYS} keys on (auto; default {defaults.PROXY_PRECISION})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input")
     args = p.parse_args(argv)
     if args.n is not None and (args.n < BLOCK or args.n % BLOCK):
@@ -162,6 +162,12 @@ def run_reference(problem, n, args):
     return out, stats, cosa_ms, {"reference": dense_ms}, dense_out, "cosa.reference.dense_attention"
 
 
+def proxy_text(proxy_precision: str, n: int) -> str:
+    """The proxy as asked for, with what "auto" resolves to at ``n`` keys."""
+    resolved = reference.resolved_proxy_precision(proxy_precision, n)
+    return proxy_precision if resolved == proxy_precision else f"{proxy_precision}: {resolved} at {n} keys"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     mode, why = choose_mode(args.device)
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
     print(f"budget:  stage 1 {100 * stats['stage1_budget']:.1f}% of the causal blocks, realised "
           f"{100 * stats['realised_budget']:.1f}% after in-kernel skipping "
           f"(stride {args.stride}, top_p {args.top_p:g}, delta {args.delta:g}, vote {args.vote}, "
-          f"proxy {args.proxy_precision})")
+          f"proxy {proxy_text(args.proxy_precision, n)})")
     err = float((out.float() - dense_out.float()).norm() / dense_out.float().norm())
     print(f"error:   ||CoSA - dense|| / ||dense|| = {err:.2e} (dense: {dense_name})")
 

@@ -30,6 +30,12 @@ def test_demo_runs_on_the_cpu(capsys):
     assert len(needles) == 3
 
 
+def test_demo_says_which_proxy_auto_took():
+    assert demo.proxy_text("auto", 4096) == "auto: native at 4096 keys"
+    assert demo.proxy_text("auto", 32768) == "auto: fp8 at 32768 keys"
+    assert demo.proxy_text("fp8", 4096) == "fp8"
+
+
 @pytest.mark.parametrize("flag, value", [("--stride", "3"), ("--stride", "0"), ("--stride", "256"),
                                          ("--stride", "-8"), ("--top-p", "0"), ("--top-p", "1.5"),
                                          ("--top-p", "-0.5"), ("--top-p", "nan"), ("--top-p", "inf"),
