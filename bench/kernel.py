@@ -693,11 +693,12 @@ class Bench:
                 self.prefill_rows(sets, ref, blocks, n, vote)
 
     def prefill_rows(self, sets: Rotation, ref, blocks, n: int, vote: str):
-        """cosa.prefill (stride 8, top_p 0.95, delta 2000) with the device checks on and off."""
+        """cosa.prefill (stride 8, top_p 0.95, delta 2000, the default proxy) with the device checks on and off."""
         run = lambda s, **stats: self.cosa.prefill(  # noqa: E731
             s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q, s.seqused_k, n, n, stride=8, top_p=0.95,
             delta=SKIP_DELTA, vote=vote, **stats)
         out, stats = run(sets.first, return_stats=True)
+        proxy = self.cosa.reference.resolved_proxy_precision(self.cosa.defaults.PROXY_PRECISION, n)
         err = relative_error(rows_of(out, blocks, n), ref)
         del out
         for suffix, checks in (("", True), ("-unchecked", False)):
@@ -706,7 +707,8 @@ class Bench:
             self.add("cosa", f"prefill-{vote}{suffix}", n, ms, block_flops(stats["counts"], stats["skipped"]),
                      budget=stats["stage1_budget"], delta=SKIP_DELTA, vote=vote, rel_err=err,
                      realised=stats["realised_budget"],
-                     note="stride 8, top_p 0.95, structured input" + ("" if checks else ", device checks off"))
+                     note=f"stride 8, top_p 0.95, proxy {proxy}, structured input"
+                          + ("" if checks else ", device checks off"))
 
     def kap_rows(self, ctx):
         """KAP alone per stride (top_p 0.95) and proxy precision (``stride-<s>``: native,
