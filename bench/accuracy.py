@@ -462,7 +462,8 @@ def load_resumed(path: Path, args, name: str) -> dict:
     differ = sorted(k for k in set(mine) | set(theirs)
                     if k not in EXTENDABLE_OPTIONS and mine.get(k) != theirs.get(k))
     if differ:
-        raise SystemExit(f"--resume {path}: that run's configuration differs in {', '.join(differ)}")
+        raise SystemExit(f"--resume {path}: that run's configuration differs in "
+                         + ", ".join(f"{k} (that run: {theirs.get(k)}, this one: {mine.get(k)})" for k in differ))
     for option in EXTENDABLE_OPTIONS:
         left_out = [x for x in theirs.get(option) or [] if x not in mine[option]]
         if left_out:
