@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 from setuptools import find_packages, setup
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "third_party"))
+import cutlass_headers  # noqa: E402
+
 
 def locate_cuda_home() -> None:
     """torch takes the folder above the `nvcc` found on PATH as CUDA_HOME; when that nvcc is a
@@ -89,21 +92,12 @@ def choose_cuda() -> tuple[bool, str]:
 
 
 def cutlass_include() -> str:
-    """The CUTLASS/CuTe header folder: $CUTLASS_DIR/include, else the nvidia-cutlass pip package."""
-    candidates = []
-    if os.environ.get("CUTLASS_DIR"):
-        candidates.append(Path(os.environ["CUTLASS_DIR"]) / "include")
-    else:
-        try:
-            import cutlass_library
-        except ImportError:
-            pass
-        else:
-            candidates.append(Path(cutlass_library.__file__).parent / "source" / "include")
-    for folder in candidates:
-        if (folder / "cute" / "tensor.hpp").exists():
-            return str(folder)
-    where = f" ({candidates[0]} has no cute/tensor.hpp)" if candidates else ""
+    """The CUTLASS/CuTe header folder (third_party/cutlass_headers.py), or the build stops saying why."""
+    found = cutlass_headers.cutlass_include()
+    if found is not None:
+        return str(found)
+    candidate = cutlass_headers.cutlass_include_candidate()
+    where = f" ({candidate} has no cute/tensor.hpp)" if candidate is not None else ""
     sys.exit(
         "cosa setup: error: the CUDA build needs the CUTLASS/CuTe headers"
         f"{where}: run `pip install nvidia-cutlass` or set CUTLASS_DIR to a CUTLASS checkout "

@@ -799,8 +799,9 @@ def parse_args(argv=None):
                    help=f"who decides a skip together, each 64-row half of a tile or the tile (cosa, cosa-fp8 "
                         f"and kap-ascending; default {defaults.VOTE})")
     p.add_argument("--proxy-precision", choices=reference.PROXY_PRECISIONS, default=defaults.PROXY_PRECISION,
-                   help=f"what KAP's proxy GEMM multiplies for cosa, kap and kap-ascending: q and k as given, "
-                        f"or e4m3 copies (default {defaults.PROXY_PRECISION})")
+                   help=f"what KAP's proxy GEMM multiplies for cosa, kap and kap-ascending: q and k as given "
+                        f"(native), e4m3 copies (fp8), or fp8 from {defaults.FP8_PROXY_MIN_KEYS} keys on (auto; "
+                        f"default {defaults.PROXY_PRECISION})")
     p.add_argument("--stride", type=int, default=defaults.STRIDE,
                    help=f"antidiagonal downsampling stride of KAP and of XAttention, a divisor of 128 "
                         f"(default {defaults.STRIDE})")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -75,14 +74,14 @@ def export_tree(rev: str, dest: Path) -> None:
 
 
 def cutlass_include() -> Path:
-    """The CUTLASS/CuTe headers, found as setup.py finds them."""
-    if os.environ.get("CUTLASS_DIR"):
-        return Path(os.environ["CUTLASS_DIR"]) / "include"
-    try:
-        import cutlass_library
-    except ImportError:
+    """The CUTLASS/CuTe headers, found as setup.py finds them (third_party/cutlass_headers.py)."""
+    sys.path.insert(0, str(REPO_ROOT / "third_party"))
+    from cutlass_headers import cutlass_include as find
+
+    found = find()
+    if found is None:
         fail("the build needs the CUTLASS headers: pip install nvidia-cutlass, or set CUTLASS_DIR")
-    return Path(cutlass_library.__file__).parent / "source" / "include"
+    return found
 
 
 def nvcc_flags() -> list[str]:
