@@ -29,10 +29,6 @@ struct OskSharedStorage {
   uint64_t k_empty[Traits::kStages];
   uint64_t v_full[Traits::kStages];
   uint64_t v_empty[Traits::kStages];
-  // Skip votes: one byte per consumer warp, double-buffered by list position parity so that a
-  // warp voting on block k+1 never overwrites a slot still being read for block k (a barrier
-  // separates consecutive votes).
-  alignas(8) uint8_t vote[2][8];
   // Each consumer warpgroup's count of skipped blocks, summed by the epilogue.
   int skipped[2];
 };
@@ -383,7 +379,7 @@ struct OskMainloop {
           rows_skip = rows_skip && (!row_live[rh] || block_max[rh] == -INFINITY ||
                                     block_max[rh] - new_max[rh] < tau_raw);
         }
-        if (vote.decide(storage.vote[k & 1], warp, lane, rows_skip)) {
+        if (vote.decide(rows_skip)) {
           // No exp, no row sum, no rescale, no P V; the V stage is still waited for and released
           // so that the pipeline's phases stay in step with the producer.
           ++skipped;

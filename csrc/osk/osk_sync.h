@@ -74,6 +74,21 @@ __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t num_t
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(num_threads) : "memory");
 }
 
+// Waits at barrier `id` like named_barrier_sync and returns whether `predicate` held in every
+// participating thread (the reduction is done by the barrier itself: no shared memory, no vote).
+__device__ __forceinline__ bool named_barrier_all(uint32_t id, uint32_t num_threads, bool predicate) {
+  uint32_t all;
+  asm volatile(
+      "{\n\t.reg .pred mine, every;\n\t"
+      "setp.ne.u32 mine, %3, 0;\n\t"
+      "bar.red.and.pred every, %1, %2, mine;\n\t"
+      "selp.u32 %0, 1, 0, every;\n\t}\n"
+      : "=r"(all)
+      : "r"(id), "r"(num_threads), "r"(static_cast<uint32_t>(predicate))
+      : "memory");
+  return all != 0;
+}
+
 // TMA: one box of a 4-D tensor map (coordinates innermost first) into shared memory, completing
 // `bytes` of the barrier's transaction count.
 __device__ __forceinline__ void tma_load_4d(uint32_t dst_smem, const void* tensor_map, uint64_t* bar,

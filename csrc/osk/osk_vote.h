@@ -17,20 +17,11 @@ class SkipVote {
   __device__ SkipVote(VoteScope scope, int warpgroup)
       : tile_(scope == VoteScope::kTile), warpgroup_(warpgroup) {}
 
-  // `slot`: 8 bytes of shared memory, one per consumer warp; consecutive votes must alternate
-  // between two slots, so that a fast warp's next vote never overwrites one still being read.
-  // Every voter must call this with its rows' verdict; all of them get the same answer. A
-  // warpgroup voting alone reads only its own four bytes, so that it never reads what the other
-  // warpgroup may be writing.
-  __device__ bool decide(uint8_t* slot, int warp, int lane, bool rows_skip) const {
-    const bool warp_skip = __all_sync(0xffffffffu, rows_skip);
-    if (lane == 0) { slot[warp] = warp_skip ? 1 : 0; }
-    if (tile_) {
-      named_barrier_sync(kTileVoteBarrier, 256);
-      return *reinterpret_cast<volatile uint64_t*>(slot) == 0x0101010101010101ull;
-    }
-    named_barrier_sync(kWarpgroupVoteBarrier + warpgroup_, 128);
-    return reinterpret_cast<volatile uint32_t*>(slot)[warpgroup_] == 0x01010101u;
+  // Every voter must call this with its rows' verdict; all of them get the same answer. The
+  // barrier reduces the verdicts itself (bar.red.and), so consecutive votes need no buffers.
+  __device__ bool decide(bool rows_skip) const {
+    if (tile_) { return named_barrier_all(kTileVoteBarrier, 256, rows_skip); }
+    return named_barrier_all(kWarpgroupVoteBarrier + warpgroup_, 128, rows_skip);
   }
 
  private:
