@@ -162,13 +162,17 @@ def test_structured_top_p_one(ops):
 @pytest.mark.parametrize("extra_key_blocks, resolved", [(125, "native"), (126, "fp8")])
 def test_auto_proxy_switches_at_the_threshold(ops, extra_key_blocks, resolved):
     """The default proxy ("auto") is resolved on the device side from max_seqlen_k: its lists are
-    the named proxy's, bit for bit, just below and at defaults.FP8_PROXY_MIN_KEYS keys."""
+    the named proxy's, bit for bit, just below and at defaults.FP8_PROXY_MIN_KEYS keys, and not the
+    other proxy's (top_p = 1 lists every candidate, so the two proxies' orders of the low scores
+    tell them apart)."""
     p = problem([300], [300 + extra_key_blocks * 128], hq=2, hkv=1, page_size=128, structure="needles",
                 seed=extra_key_blocks)
     assert (p["max_seqlen_k"] >= defaults.FP8_PROXY_MIN_KEYS) == (resolved == "fp8")
-    order, counts = kap(ops, p, 8, proxy_precision="auto")
-    named_order, named_counts = kap(ops, p, 8, proxy_precision=resolved)
+    order, counts = kap(ops, p, 8, top_p=1.0, proxy_precision="auto")
+    named_order, named_counts = kap(ops, p, 8, top_p=1.0, proxy_precision=resolved)
     assert torch.equal(order, named_order) and torch.equal(counts, named_counts)
+    other_order, _ = kap(ops, p, 8, top_p=1.0, proxy_precision={"native": "fp8", "fp8": "native"}[resolved])
+    assert not torch.equal(order, other_order)
 
 
 @pytest.mark.parametrize("key_blocks", [60, 100, 200, 400, 900])
