@@ -5,10 +5,10 @@
 #include <cmath>
 
 #include <cuda.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
 
 #include "common/dependent_launch.h"
+#include "common/tensor_map.h"
 #include "cosa_params.h"
 #include "osk/osk_kernel.h"
 #include "osk/osk_traits.h"
@@ -19,20 +19,6 @@ namespace cosa::osk {
 // memory; head_dim 64 tiles are half as big, so twice as many stages fit.
 template <int kHeadDim>
 constexpr int kStagesForHeadDim = kHeadDim == 128 ? 2 : 4;
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
-inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                             cudaEnableDefault, &found);
-    return err == cudaSuccess && found == cudaDriverEntryPointSuccess
-               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
-               : nullptr;
-  }();
-  return encode;
-}
 
 // A paged cache [num_pages, page_size, num_heads_kv, head_dim] as the 4-D TMA tensor
 // (head_dim, kv head, row, page) read in boxes of 64 x 1 x min(page_size, 128) x 1 (128 bytes per
