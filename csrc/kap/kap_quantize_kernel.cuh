@@ -204,7 +204,8 @@ __global__ void __launch_bounds__(kQuantizeThreads)
                        : make_uint4(0, 0, 0, 0);
     }
     dst_token_stride = int64_t(L.num_heads_q) * kHeadDim;
-    dst = args.q8 + token * dst_token_stride + head * kHeadDim + 8 * chunk;
+    dst = args.q8 + (static_cast<int64_t>(g) * kBlockSize + first_token) * dst_token_stride + head * kHeadDim +
+          8 * chunk;
     scale_out = args.q_scale + static_cast<int64_t>(g) * L.num_heads_q + head;
   } else {
     if (head >= L.num_heads_kv) return;
@@ -268,18 +269,19 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   const float inverse = amax == 0.f ? 1.f : __fdiv_rn(kE4M3Max, amax);
   if (tid == 0) *scale_out = scale;
 #pragma unroll
-  for (int i = 0; i < kChunks; ++i) {  // 8-byte stores
-    if (!live[i]) continue;
-    uint32_t words[2];
+  for (int i = 0; i < kChunks; ++i) {  // 8-byte stores; zeros past Lq and Lk, as the spec's zero rows
+    uint32_t words[2] = {0u, 0u};
+    if (live[i]) {
 #pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      const float2 lo = pair(i, 2 * w);
-      const float2 hi = pair(i, 2 * w + 1);
-      const uint32_t lo2 = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(lo.x, inverse), __fmul_rn(lo.y, inverse)),
-                                                    __NV_SATFINITE, __NV_E4M3);
-      const uint32_t hi2 = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(hi.x, inverse), __fmul_rn(hi.y, inverse)),
-                                                    __NV_SATFINITE, __NV_E4M3);
-      words[w] = lo2 | (hi2 << 16);
+      for (int w = 0; w < 2; ++w) {
+        const float2 lo = pair(i, 2 * w);
+        const float2 hi = pair(i, 2 * w + 1);
+        const uint32_t lo2 = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(lo.x, inverse), __fmul_rn(lo.y, inverse)),
+                                                      __NV_SATFINITE, __NV_E4M3);
+        const uint32_t hi2 = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(hi.x, inverse), __fmul_rn(hi.y, inverse)),
+                                                      __NV_SATFINITE, __NV_E4M3);
+        words[w] = lo2 | (hi2 << 16);
+      }
     }
     *reinterpret_cast<uint2*>(dst + kTokenStep * i * dst_token_stride) = make_uint2(words[0], words[1]);
   }

@@ -6,14 +6,20 @@
 // write disjoint key blocks, so they need no merge). Qs[r] . Ks[c] = sum_t Q[r*s + s-1-t] . K[c*s + t], so the GEMM
 // reduction dimension (s * d) is walked as s chunks of d, each an ordinary Q K^T slice whose query
 // rows are s tokens apart (offset s-1-t) and whose key rows are the t-th token of each s-group.
-// Both operands are gathered with 16-byte cp.async straight into the 128-byte-swizzled layout
-// that wgmma reads: queries through cu_seqlens_q, keys through the page table (an s-group never
-// crosses a page since s <= 16 <= page_size and both are powers of two). Positions past Lq/Lk are
-// zero-filled, as the spec's zero rows. The pipeline is one flat sequence of (column tile, K
-// slice) steps, so the loads of the next column tile overlap the epilogue of the current one.
-// With the e4m3 proxy the operands are the quantisation pass's copies (kap_quantize_kernel.cuh):
-// a 128-byte row then holds 128 elements, so a K slice may span two tokens of a group (d = 64),
-// and the epilogue multiplies each block maximum by its query and key blocks' scales.
+// The 16-bit operands are gathered with 16-byte cp.async straight into the 128-byte-swizzled
+// layout that wgmma reads: queries through cu_seqlens_q, keys through the page table (an s-group
+// never crosses a page since s <= 16 <= page_size and both are powers of two). Positions past
+// Lq/Lk are zero-filled, as the spec's zero rows. The pipeline is one flat sequence of (column
+// tile, K slice) steps, so the loads of the next column tile overlap the epilogue of the current
+// one. With the e4m3 proxy the operands are the quantisation pass's copies (kap_quantize_kernel.cuh),
+// laid out per query block and per key block with zeros past Lq and Lk, and the epilogue multiplies
+// each block maximum by its query and key blocks' scales. A 128-byte row then holds 128 elements:
+// at d = 128 a K slice is one token of every group, a box of a 4-D view of the copy (channel,
+// token in group, head, group) loaded by TMA, so the gather no longer takes the consumers' issue
+// slots, and the steps need no CTA-wide barrier: each warpgroup releases a stage once its MMAs on
+// it have completed, and the second release refills it, so one warpgroup's epilogue may overlap
+// the other's MMAs. At d = 64 a K slice spans two tokens of a group, in opposite orders for
+// queries and keys, and is gathered with cp.async as the 16-bit operands are.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,18 +28,47 @@
 #include <type_traits>
 
 #include "common/async_copy.cuh"
+#include "common/tma_pipeline.cuh"
 #include "kap/kap_mma.cuh"
 #include "kap/kap_traits.h"
 
 namespace cosa::kap {
 
+// One warpgroup's release of a stage whose MMAs have completed: the elected thread adds one to the
+// stage's release count; the second release of a fill (odd old count) loads the stage again, if
+// a load is left, as the A and B boxes of the TMA tensors. All predicated, no branch.
+__device__ __forceinline__ void release_stage_and_refill(bool elected, uint32_t* releases, bool load_left,
+                                                         uint64_t* full, uint32_t bytes,
+                                                         uint32_t a_dst, const void* map_a, int a1,
+                                                         int a2, int a3, uint32_t b_dst,
+                                                         const void* map_b, int b1, int b2, int b3) {
+  asm volatile(
+      "{\n\t.reg .pred elected, refill;\n\t.reg .b32 old;\n\t"
+      "setp.ne.u32 elected, %0, 0;\n\t"
+      "mov.u32 old, 0;\n\t"
+      "@elected atom.acq_rel.cta.shared::cta.add.u32 old, [%1], 1;\n\t"
+      "and.b32 old, old, %2;\n\t"
+      "setp.ne.u32 refill, old, 0;\n\t"
+      "@refill mbarrier.arrive.expect_tx.shared::cta.b64 _, [%3], %4;\n\t"
+      "@refill cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%5], [%6, {%7, %8, %9, %10}], [%3];\n\t"
+      "@refill cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%11], [%12, {%13, %14, %15, %16}], [%3];\n\t}\n" ::"r"(static_cast<uint32_t>(elected)),
+      "r"(smem_addr(releases)), "r"(static_cast<uint32_t>(load_left)), "r"(smem_addr(full)), "r"(bytes),
+      "r"(a_dst), "l"(reinterpret_cast<uint64_t>(map_a)), "r"(0), "r"(a1), "r"(a2), "r"(a3),
+      "r"(b_dst), "l"(reinterpret_cast<uint64_t>(map_b)), "r"(0), "r"(b1), "r"(b2), "r"(b3)
+      : "memory");
+}
+
 template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
-__global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDeviceArgs args) {
+__global__ void __launch_bounds__(kScoreThreads, 1)
+    kap_score_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
   using Elements = ProxyElementTraits<kElement>;
   constexpr bool kE4M3 = kElement == ProxyElement::kE4M3;
   constexpr int kRowElems = Elements::kRowElems;              // elements of one K slice row
   constexpr int kChunkElems = 16 / Elements::kBytes;          // elements of one 16-byte copy
   static_assert((kStride * kHeadDim) % kRowElems == 0, "a group's s * d must fill whole rows");
+  constexpr bool kTmaLoads = kTmaOperands<kElement, kHeadDim>;
   using Tile = ScoreTile<kCols>;
   constexpr int kTileCols = Tile::kTileCols;
   constexpr int kStages = Tile::kStages;
@@ -71,6 +106,9 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
   if (num_col_tiles <= 0) return;
   const int total_steps = num_col_tiles * kSteps;
   const int kv_head = head / (L.num_heads_q / L.num_heads_kv);
+  // Stride row r of sequence b is row first_row + r of bm and rm; with the e4m3 proxy its group of
+  // queries is group first_row + r of the query copy.
+  const int64_t first_row = static_cast<int64_t>(__ldg(args.q_block_start + b)) * kRowsPerBlock;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
@@ -104,6 +142,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
   // t >= r*s + s - len_q.
   // Row starts are held as 16-byte-chunk offsets from the operand's base (32 bits, 64 GB of reach)
   // rather than as pointers: half the registers, which keeps the 256-column tile from spilling.
+  const int64_t q_token_begin = kE4M3 ? first_row * kStride : q_begin;  // the copy: by query block
   uint32_t q_base[kLoadsA];
   int q_first_valid[kLoadsA];
 #pragma unroll
@@ -111,7 +150,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
     const int r = row0 + load_row + kLoadRows * i;
     const int64_t token = static_cast<int64_t>(r) * kStride + kStride - 1;
     q_first_valid[i] = r * kStride + kStride - len_q;
-    q_base[i] = static_cast<uint32_t>(((q_begin + token) * q_row_stride + head * q_head_stride) /
+    q_base[i] = static_cast<uint32_t>(((q_token_begin + token) * q_row_stride + head * q_head_stride) /
                                       kChunkElems);
   }
   // Key columns of the column tile being loaded: Ks[c] token t of the group is key c*s + t, valid
@@ -139,9 +178,56 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
     }
   };
 
+  // TMA: stage st is full once its A and B boxes have landed (one arrival, the loading thread's,
+  // plus the boxes' bytes). No CTA-wide barrier per step: each warpgroup counts its release of a
+  // stage (once its MMAs on it have completed) in stage_releases, and the second to release a
+  // fill loads the stage again, kStages steps ahead, so that one warpgroup's epilogue may overlap
+  // the other's MMAs.
+  __shared__ alignas(8) uint64_t stage_full[kTmaLoads ? kStages : 1];
+  __shared__ uint32_t stage_releases[kTmaLoads ? kStages : 1];
+  const int64_t k_first_group = static_cast<int64_t>(b) * L.max_k_blocks * kRowsPerBlock;
+  auto tma_load = [&](int load) {  // slice t: query token s-1-t and key token t of every group
+    const int col_tile = col_tile_begin + load / kSteps;
+    const int slice = load % kSteps;
+    const int stage = load % kStages;
+    MBarrier::arrive_expect_tx(&stage_full[stage], kStageBytes);
+    tma_load_4d(a_stage(stage), &maps.q, &stage_full[stage], 0, kStride - 1 - slice, head,
+                static_cast<int>(first_row + row0));
+    tma_load_4d(b_stage(stage), &maps.k, &stage_full[stage], 0, slice, kv_head,
+                static_cast<int>(k_first_group + col_tile * kTileCols));
+  };
+  if constexpr (kTmaLoads) {
+    if (tid == 0) {
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) {
+        MBarrier::init(&stage_full[st], 1);
+        stage_releases[st] = 0;
+      }
+      MBarrier::fence_init();
+      for (int load = 0; load < min(kStages, total_steps); ++load) tma_load(load);
+    }
+    __syncthreads();
+  }
+  int released = 0;  // TMA: steps [0, released) released by this warpgroup
+  // Branch-free (predicated) on purpose: a divergent branch between two steps' wgmmas makes ptxas
+  // serialise them (C7518).
+  auto release_through = [&](int last) {
+    for (; released <= last; ++released) {
+      const int load = released + kStages;
+      const int col_tile = col_tile_begin + load / kSteps;
+      const int slice = load % kSteps;
+      const int stage = released % kStages;
+      release_stage_and_refill(tid % 128 == 0, &stage_releases[stage], load < total_steps,
+                               &stage_full[stage], kStageBytes, a_stage(stage), &maps.q,
+                               kStride - 1 - slice, head, static_cast<int>(first_row + row0),
+                               b_stage(stage), &maps.k, slice, kv_head,
+                               static_cast<int>(k_first_group + col_tile * kTileCols));
+    }
+  };
+
   int load_step = 0;  // next step to load
   int loaded_col_tile = -1;
-  auto load_next = [&]() {
+  auto load_next = [&]() {  // cp.async: every thread its chunks of step load_step
     if (load_step < total_steps) {
       const int col_tile = col_tile_begin + load_step / kSteps;
       const int slice = load_step % kSteps;
@@ -184,10 +270,11 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
   float* block_max_head = args.block_max + static_cast<int64_t>(blockIdx.x) * args.block_max_rows *
                                                L.max_k_blocks;
   uint32_t* row_max_head = args.row_max + static_cast<int64_t>(blockIdx.x) * args.block_max_rows;
-  const int64_t first_row = static_cast<int64_t>(__ldg(args.q_block_start + b)) * kRowsPerBlock;
 
+  if constexpr (!kTmaLoads) {
 #pragma unroll
-  for (int s = 0; s < kStages - 2; ++s) load_next();
+    for (int s = 0; s < kStages - 2; ++s) load_next();
+  }
 
   float acc[kTileCols / 2];
 #pragma unroll
@@ -196,9 +283,13 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
   for (int step = 0; step < total_steps; ++step) {
     const int stage = step % kStages;
     const int slice = step % kSteps;
-    cp_async_wait<kStages - 3>();
-    fence_proxy_async_shared();
-    __syncthreads();  // stage `step` is complete; every warpgroup has finished step - 2
+    if constexpr (kTmaLoads) {
+      MBarrier::wait(&stage_full[stage], (step / kStages) & 1);
+    } else {
+      cp_async_wait<kStages - 3>();
+      fence_proxy_async_shared();
+      __syncthreads();  // stage `step` is complete; every warpgroup has finished step - 2
+    }
 
     wgmma_fence();
     wgmma_fence_operands(acc);
@@ -210,13 +301,17 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
     }
     wgmma_commit();
     wgmma_fence_operands(acc);
-    load_next();  // into the stage of step - 2
+    if constexpr (!kTmaLoads) load_next();  // into the stage of step - 2
     if (slice != kSteps - 1) {
       wgmma_wait<1>();
+      if constexpr (kTmaLoads) release_through(step - 1);
       continue;
     }
     wgmma_wait<0>();
     wgmma_fence_operands(acc);
+    if constexpr (kTmaLoads) {
+      release_through(step);
+    }
 
     // Epilogue of column tile `col_tile`: per row and key block, the max over allowed columns
     // c <= r + P/s. scale > 0, so max(x) * scale == max(x * scale) exactly.
@@ -301,7 +396,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1) kap_score_kernel(const KapDe
       }
     }
   }
-  cp_async_wait<0>();
+  if constexpr (!kTmaLoads) cp_async_wait<0>();
 }
 
 }  // namespace cosa::kap

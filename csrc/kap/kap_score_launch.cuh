@@ -2,10 +2,33 @@
 #pragma once
 
 #include "common/dependent_launch.h"
+#include "common/tensor_map.h"
 #include "kap/kap_launch.h"
 #include "kap/kap_score_kernel.cuh"
 
 namespace cosa::kap {
+
+// An e4m3 copy [groups * s, heads, 128] as the 4-D TMA tensor (channel, token in group, head,
+// group), read in boxes of 128 x 1 x 1 x rows: one 128-byte row per group, the 128-byte swizzle
+// that wgmma reads. The copies live in KAP's workspace (256-byte aligned, strides multiples of
+// 128 bytes), so the encoding fails only where the driver lacks TMA.
+inline cudaError_t encode_copy_tensor_map(CUtensorMap* map, void* base, int64_t groups, int heads,
+                                          int stride, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  constexpr int64_t kRowBytes = 128;  // d = 128 one-byte elements
+  const cuuint64_t dims[4] = {cuuint64_t(kRowBytes), cuuint64_t(stride), cuuint64_t(heads),
+                              cuuint64_t(groups)};
+  const cuuint64_t strides[3] = {cuuint64_t(heads * kRowBytes), cuuint64_t(kRowBytes),
+                                 cuuint64_t(stride * heads * kRowBytes)};
+  const cuuint32_t box[4] = {cuuint32_t(kRowBytes), 1, 1, cuuint32_t(box_rows)};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base, dims, strides, box,
+                                 element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
 
 template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
 cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
@@ -17,7 +40,18 @@ cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
   const int max_col_tiles = ((args.layout.max_seqlen_k + kStride - 1) / kStride + kCols - 1) / kCols;
   const int num_units = (max_col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit;
   const dim3 grid(args.head_count, num_units, args.num_tiles);
-  return launch_dependent(kernel, grid, dim3(kScoreThreads), Tile::kSmemBytes, stream, args);
+  ScoreOperandMaps maps = {};
+  if constexpr (kTmaOperands<kElement, kHeadDim>) {
+    const PagedLayout& L = args.layout;
+    constexpr int kGroupsPerBlock = kBlockSize / kStride;
+    err = encode_copy_tensor_map(&maps.q, args.q8, int64_t(L.num_q_blocks) * kGroupsPerBlock,
+                                 L.num_heads_q, kStride, kTileRows);
+    if (err != cudaSuccess) return err;
+    err = encode_copy_tensor_map(&maps.k, args.k8, int64_t(L.batch) * L.max_k_blocks * kGroupsPerBlock,
+                                 L.num_heads_kv, kStride, kCols);
+    if (err != cudaSuccess) return err;
+  }
+  return launch_dependent(kernel, grid, dim3(kScoreThreads), Tile::kSmemBytes, stream, args, maps);
 }
 
 template <ProxyElement kElement, int kHeadDim, int kStride>

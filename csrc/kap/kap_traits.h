@@ -19,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <cuda.h>  // CUtensorMap
+
 #include "cosa_params.h"
 
 namespace cosa::kap {
@@ -33,6 +35,18 @@ struct ProxyElementTraits {
   // Elements of one 128-byte shared-memory row (one K slice of the tile), and of one MMA's K.
   static constexpr int kRowElems = 128 / kBytes;
   static constexpr int kMmaK = 32 / kBytes;
+};
+
+// Whether the scoring kernel loads its operands by TMA: the e4m3 copies at d = 128, where a K slice
+// (128 one-byte elements) is one token of every group (kap_score_kernel.cuh).
+template <ProxyElement kElement, int kHeadDim>
+constexpr bool kTmaOperands = kElement == ProxyElement::kE4M3 && kHeadDim == 128;
+
+// The e4m3 copies as TMA tensors (kap_score_launch.cuh); unset where the kernel gathers with
+// cp.async.
+struct ScoreOperandMaps {
+  CUtensorMap q;
+  CUtensorMap k;
 };
 
 // Scoring tile: kTileRows stride rows (Qs rows) x kTileCols stride columns (Ks rows), reduced over
@@ -79,8 +93,10 @@ struct WorkspaceLayout {
   // With the e4m3 proxy only (else 0 bytes): the keys' channel ranges (zeroed with row_max, which
   // they follow), the quantised copies and their per-block scales.
   size_t key_range_offset = 0;  // ordered_bits [batch, Hkv, 2, d]: max, then -min, per channel
-  size_t q8_offset = 0;       // e4m3 [total_q, Hq, d], rows as q's
-  size_t k8_offset = 0;       // e4m3 [batch, max_k_blocks * 128, Hkv, d], key t of b at row t of b
+  size_t q8_offset = 0;       // e4m3 [num_q_blocks * 128, Hq, d], query i of packed block g at row
+                              // 128 g + i, zeros past Lq
+  size_t k8_offset = 0;       // e4m3 [batch, max_k_blocks * 128, Hkv, d], key t of b at row t of b,
+                              // zeros past Lk in its last block
   size_t q_scale_offset = 0;  // fp32 [num_q_blocks, Hq]: packed query block g, query head
   size_t k_scale_offset = 0;  // fp32 [batch, max_k_blocks, Hkv]
   int64_t rows = 0;                 // num_q_blocks * (128 / s)
@@ -115,7 +131,8 @@ inline WorkspaceLayout workspace_layout(const KapParams& params) {
                  (e4m3 ? align_up(sizeof(uint32_t) * layout.batch * layout.num_heads_kv * 2 * head_dim, 256) : 0);
   const size_t key_blocks = static_cast<size_t>(layout.batch) * layout.max_k_blocks;
   ws.k8_offset = ws.q8_offset +
-                 (e4m3 ? align_up(static_cast<size_t>(layout.total_q) * layout.num_heads_q * head_dim, 256) : 0);
+                 (e4m3 ? align_up(static_cast<size_t>(layout.num_q_blocks) * kBlockSize * layout.num_heads_q * head_dim, 256)
+                        : 0);
   ws.q_scale_offset = ws.k8_offset +
                       (e4m3 ? align_up(key_blocks * kBlockSize * layout.num_heads_kv * head_dim, 256) : 0);
   ws.k_scale_offset = ws.q_scale_offset +
