@@ -349,6 +349,38 @@ def test_fp8_lists_do_not_move_with_a_key_offset_per_channel(ops, d, page_size):
     assert torch.equal(order, shifted_order)
 
 
+def first_sequence(p):
+    """The problem made of the first sequence of ``p`` alone (the same queries, pages and keys)."""
+    len_q, len_k = int(p["cu_seqlens_q"][1]), int(p["seqused_k"][0])
+    return {**p, "q": p["q"][:len_q], "page_table": p["page_table"][:1].contiguous(),
+            "cu_seqlens_q": p["cu_seqlens_q"][:2].clone(), "seqused_k": p["seqused_k"][:1].clone(),
+            "max_seqlen_q": len_q, "max_seqlen_k": len_k}
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_fp8_lists_of_a_sequence_do_not_depend_on_its_neighbours(ops, d):
+    """The e4m3 copies hold each sequence's query and key blocks with zeros written past Lq and Lk,
+    and at d = 128 the scoring kernel reads whole groups of s tokens of them as TMA boxes: a group
+    that crosses Lq or Lk must see those zeros, not the next sequence's tokens nor what an earlier
+    call left in the workspace. So a sequence's fp8 lists are bitwise the same alone, first in a
+    batch, and after a call whose large values filled the rows that its padding occupies (the
+    caching allocator hands the same workspace back). Lengths are multiples of neither 128 nor s."""
+    both = problem([1001, 645], [1001 + 259, 645], hq=4, hkv=2, d=d, page_size=64, structure="mixed", seed=41)
+    alone = first_sequence(both)
+    order, counts = kap(ops, alone, 8, proxy_precision="fp8")
+    blocks_q, blocks_k = counts.shape[1], order.shape[2]
+    batch_order, batch_counts = kap(ops, both, 8, proxy_precision="fp8")
+    assert torch.equal(batch_counts[:, :blocks_q], counts)
+    assert torch.equal(batch_order[:, :blocks_q, :blocks_k], order)
+    # Whole blocks of large keys and queries where `alone` has its padding, same workspace size.
+    loud = problem([1024], [1280], hq=4, hkv=2, d=d, page_size=64, seed=42)
+    loud = {**loud, "q": loud["q"] * 300, "k_cache": loud["k_cache"] * 300}
+    kap(ops, loud, 8, proxy_precision="fp8")
+    again_order, again_counts = kap(ops, alone, 8, proxy_precision="fp8")
+    assert torch.equal(again_counts, counts)
+    assert torch.equal(again_order, order)
+
+
 def test_fp8_native_kept_sets_close(ops):
     """The fp8 proxy keeps nearly the blocks that the native one keeps (the bench measures this on
     real activations)."""
