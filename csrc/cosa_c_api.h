@@ -25,7 +25,8 @@ size_t cosa_osk_params_size(void);
 size_t cosa_kap_workspace_bytes(const cosa_kap_params* params);
 
 // workspace_bytes: the size of the buffer at params->workspace; cudaErrorInvalidValue if it is
-// smaller than cosa_kap_workspace_bytes(params).
+// smaller than cosa_kap_workspace_bytes(params), or if params->workspace is not 256-byte aligned
+// (cudaMalloc's alignment: the kernels copy from it in 16-byte and TMA units).
 int cosa_run_kap(const cosa_kap_params* params, size_t workspace_bytes, void* stream);
 int cosa_run_osk(const cosa_osk_params* params, void* stream);
 

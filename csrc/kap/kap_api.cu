@@ -212,6 +212,10 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
   if (layout.num_q_blocks == 0 || layout.num_heads_q == 0) return cudaSuccess;
   if (kap::select_smem_bytes(layout.max_k_blocks) > 200 * 1024) return cudaErrorInvalidValue;
   const kap::WorkspaceLayout ws = kap::workspace_layout(params);
+  // The copies in it are read by 16-byte cp.async and by TMA (16-byte aligned addresses).
+  if (reinterpret_cast<uintptr_t>(params.workspace) % kap::kWorkspaceAlignment != 0) {
+    return cudaErrorInvalidValue;
+  }
   auto* base = static_cast<uint8_t*>(params.workspace);
   kap::KapDeviceArgs args;
   args.layout = layout;

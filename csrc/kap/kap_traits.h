@@ -104,6 +104,9 @@ struct WorkspaceLayout {
   size_t total_bytes = 0;
 };
 
+// Of the workspace's base (cudaMalloc's); its regions start at multiples of it.
+constexpr size_t kWorkspaceAlignment = 256;
+
 inline size_t align_up(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
@@ -111,7 +114,8 @@ inline size_t align_up(size_t value, size_t alignment) {
 inline WorkspaceLayout workspace_layout(const KapParams& params) {
   const PagedLayout& layout = params.layout;
   WorkspaceLayout ws;
-  const size_t index_bytes = align_up(sizeof(int32_t) * (layout.batch + 1), 256);
+  auto region = [](size_t bytes) { return align_up(bytes, kWorkspaceAlignment); };
+  const size_t index_bytes = region(sizeof(int32_t) * (layout.batch + 1));
   ws.q_block_start_offset = 0;
   ws.tile_start_offset = index_bytes;
   ws.block_max_offset = 2 * index_bytes;
@@ -123,22 +127,21 @@ inline WorkspaceLayout workspace_layout(const KapParams& params) {
     if (heads < 1) heads = 1;
   }
   ws.heads_per_chunk = heads;
-  ws.row_max_offset = ws.block_max_offset + align_up(head_bytes * heads, 256);
-  ws.key_range_offset = ws.row_max_offset + align_up(sizeof(uint32_t) * ws.rows * heads, 256);
+  ws.row_max_offset = ws.block_max_offset + region(head_bytes * heads);
+  ws.key_range_offset = ws.row_max_offset + region(sizeof(uint32_t) * ws.rows * heads);
   const bool e4m3 = params.precision == ProxyPrecision::kE4M3;
   const size_t head_dim = static_cast<size_t>(layout.head_dim);
   ws.q8_offset = ws.key_range_offset +
-                 (e4m3 ? align_up(sizeof(uint32_t) * layout.batch * layout.num_heads_kv * 2 * head_dim, 256) : 0);
+                 (e4m3 ? region(sizeof(uint32_t) * layout.batch * layout.num_heads_kv * 2 * head_dim) : 0);
   const size_t key_blocks = static_cast<size_t>(layout.batch) * layout.max_k_blocks;
   ws.k8_offset = ws.q8_offset +
-                 (e4m3 ? align_up(static_cast<size_t>(layout.num_q_blocks) * kBlockSize * layout.num_heads_q * head_dim, 256)
-                        : 0);
+                 (e4m3 ? region(size_t(layout.num_q_blocks) * kBlockSize * layout.num_heads_q * head_dim) : 0);
   ws.q_scale_offset = ws.k8_offset +
-                      (e4m3 ? align_up(key_blocks * kBlockSize * layout.num_heads_kv * head_dim, 256) : 0);
+                      (e4m3 ? region(key_blocks * kBlockSize * layout.num_heads_kv * head_dim) : 0);
   ws.k_scale_offset = ws.q_scale_offset +
-                      (e4m3 ? align_up(sizeof(float) * layout.num_q_blocks * layout.num_heads_q, 256) : 0);
+                      (e4m3 ? region(sizeof(float) * layout.num_q_blocks * layout.num_heads_q) : 0);
   ws.total_bytes = ws.k_scale_offset +
-                   (e4m3 ? align_up(sizeof(float) * key_blocks * layout.num_heads_kv, 256) : 0);
+                   (e4m3 ? region(sizeof(float) * key_blocks * layout.num_heads_kv) : 0);
   return ws;
 }
 
