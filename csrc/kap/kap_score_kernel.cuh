@@ -186,15 +186,23 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   __shared__ alignas(8) uint64_t stage_full[kTmaLoads ? kStages : 1];
   __shared__ uint32_t stage_releases[kTmaLoads ? kStages : 1];
   const int64_t k_first_group = static_cast<int64_t>(b) * L.max_k_blocks * kRowsPerBlock;
-  auto tma_load = [&](int load) {  // slice t: query token s-1-t and key token t of every group
-    const int col_tile = col_tile_begin + load / kSteps;
+  // Where step `load`'s boxes come from: slice t is query token s-1-t and key token t of every
+  // group (kSteps == s here), the key groups of its column tile.
+  struct StepBoxes {
+    int query_token, key_token, key_group;
+  };
+  auto step_boxes = [&](int load) {
     const int slice = load % kSteps;
+    return StepBoxes{kStride - 1 - slice, slice,
+                     static_cast<int>(k_first_group + (col_tile_begin + load / kSteps) * kTileCols)};
+  };
+  const int query_group = static_cast<int>(first_row + row0);
+  auto tma_load = [&](int load) {
     const int stage = load % kStages;
+    const StepBoxes box = step_boxes(load);
     MBarrier::arrive_expect_tx(&stage_full[stage], kStageBytes);
-    tma_load_4d(a_stage(stage), &maps.q, &stage_full[stage], 0, kStride - 1 - slice, head,
-                static_cast<int>(first_row + row0));
-    tma_load_4d(b_stage(stage), &maps.k, &stage_full[stage], 0, slice, kv_head,
-                static_cast<int>(k_first_group + col_tile * kTileCols));
+    tma_load_4d(a_stage(stage), &maps.q, &stage_full[stage], 0, box.query_token, head, query_group);
+    tma_load_4d(b_stage(stage), &maps.k, &stage_full[stage], 0, box.key_token, kv_head, box.key_group);
   };
   if constexpr (kTmaLoads) {
     if (tid == 0) {
@@ -214,14 +222,12 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   auto release_through = [&](int last) {
     for (; released <= last; ++released) {
       const int load = released + kStages;
-      const int col_tile = col_tile_begin + load / kSteps;
-      const int slice = load % kSteps;
       const int stage = released % kStages;
+      const StepBoxes box = step_boxes(load);
       release_stage_and_refill(tid % 128 == 0, &stage_releases[stage], load < total_steps,
                                &stage_full[stage], kStageBytes, a_stage(stage), &maps.q,
-                               kStride - 1 - slice, head, static_cast<int>(first_row + row0),
-                               b_stage(stage), &maps.k, slice, kv_head,
-                               static_cast<int>(k_first_group + col_tile * kTileCols));
+                               box.query_token, head, query_group, b_stage(stage), &maps.k,
+                               box.key_token, kv_head, box.key_group);
     }
   };
 
