@@ -45,8 +45,9 @@ def set_device_checks(enabled: bool):
     With them on (the default), every eager CUDA call checks ``cu_seqlens_q``, ``seqused_k``,
     ``page_table`` and (for ``osk``) ``order``/``counts`` against the layout contract with two small
     kernels and one host synchronisation, so that bad contents raise a clear error instead of
-    reading out of bounds. Turn them off where those tensors are right by construction and the
-    synchronisation matters (short prompts: about 20-30 us per call); contents that break the
+    reading out of bounds (the op's kernels are enqueued behind the checks and do nothing if one
+    failed, so the host waits for the checks' report while the GPU goes on). Turn them off where
+    those tensors are right by construction and the host's wait matters; contents that break the
     contract are then undefined behaviour. They are always off while a CUDA graph is being captured;
     shape, dtype and device checks always run, and so do the content checks of CPU tensors (they
     cost no synchronisation there).

@@ -55,6 +55,11 @@ struct PagedLayout {
   int max_k_blocks = 0;  // ceil(max_seqlen_k / 128): last dim of order
   DType dtype = DType::kBFloat16;
   float softmax_scale = 0.f;  // sigma
+  // When set: the report (InputCheckParams::report, kNumInputChecks words) that the device input
+  // checks wrote earlier on the stream. Every KAP and OSK kernel then does nothing unless each check
+  // passed, so that the host can enqueue the kernels before it reads the report back and the GPU
+  // does not wait for that round trip.
+  const unsigned long long* input_report = nullptr;
 };
 
 // What KAP's proxy GEMM multiplies (spec section 2): q and k as given, or e4m3 copies of them with

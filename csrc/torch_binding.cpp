@@ -35,6 +35,7 @@
 #ifdef COSA_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cosa_params.h"
@@ -555,7 +556,7 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
 }
 
 // The contract, then the kernels' limits; the contents of the index tensors are checked later,
-// on the device (check_device_data).
+// on the device (enqueue_device_checks).
 Sizes check_cuda_args(const OpArgs& a) {
   const Sizes s = check_tensors(a);
   check_scalars(a);
@@ -600,29 +601,60 @@ cosa::PagedLayout make_layout(const Sizes& s, const OpArgs& a, int64_t max_seqle
   return l;
 }
 
-// The contents of the index tensors, checked on the device: one kernel pass (csrc/checks/) and one
-// read-back of kNumInputChecks integers. Only when a check failed are the tensors copied to the
-// host, where the contract's own checks (check_lengths_data, check_lists_data) find the failure
-// and word it, so that the message is the one every other path gives. Skipped while the current
+// The contents of the index tensors, checked on the device: one kernel pass (csrc/checks/) writes a
+// report of kNumInputChecks integers, and an asynchronous copy brings it to pinned host memory. The
+// caller enqueues its kernels right behind (they carry the report in PagedLayout::input_report and
+// do nothing unless every check passed), and only then waits for the copy (finish_device_checks):
+// the GPU goes on from the checks to the kernels while the host reads the report. Only when a
+// check failed are the tensors copied to the host, where the contract's own checks
+// (check_lengths_data, check_lists_data) find the failure and word it, so that the message is the
+// one every other path gives; the outputs are then never returned. Skipped while the current
 // stream captures a CUDA graph (reading device data is not allowed then) and while this thread's
 // device checks are off.
-void check_device_data(const OpArgs& a, const Sizes& s, const cosa::PagedLayout& layout) {
+struct PendingDeviceChecks {
+  at::Tensor report;       // [kNumInputChecks] on the device
+  at::Tensor host_report;  // its pinned host copy
+  cudaEvent_t copied = nullptr;  // recorded after the copy; null: no checks ran
+  PendingDeviceChecks() = default;
+  PendingDeviceChecks(const PendingDeviceChecks&) = delete;
+  PendingDeviceChecks& operator=(const PendingDeviceChecks&) = delete;
+  ~PendingDeviceChecks() {
+    if (copied != nullptr) cudaEventDestroy(copied);
+  }
+};
+
+// Fills `pending` (a struct that owns an event, so it is filled in place rather than returned).
+void enqueue_device_checks(const OpArgs& a, cosa::PagedLayout& layout, PendingDeviceChecks& pending) {
   if (!device_checks_enabled() || capturing_cuda_graph(a.q)) return;
-  at::Tensor report = at::empty({cosa::kNumInputChecks}, a.q.options().dtype(at::kLong));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  pending.report = at::empty({cosa::kNumInputChecks}, a.q.options().dtype(at::kLong));
   cosa::InputCheckParams params;
   params.layout = layout;
   params.check_max_seqlen_k = a.max_seqlen_k.has_value();
-  params.report = reinterpret_cast<unsigned long long*>(report.mutable_data_ptr<int64_t>());
+  params.report = reinterpret_cast<unsigned long long*>(pending.report.mutable_data_ptr<int64_t>());
   if (a.order) {
     params.order = a.order->const_data_ptr<int32_t>();
     params.counts = a.counts->const_data_ptr<int32_t>();
     params.order_row_len = static_cast<int>(a.order->size(2));
   }
-  const cudaError_t error = cosa::run_input_checks(params, at::cuda::getCurrentCUDAStream().stream());
+  const cudaError_t error = cosa::run_input_checks(params, stream);
   TORCH_CHECK(error == cudaSuccess, message("cosa.", a.op, ": the input checks failed to launch: ",
                                             cudaGetErrorString(error)));
-  const at::Tensor host = report.cpu();  // the one host synchronisation
-  const auto* keys = reinterpret_cast<const uint64_t*>(host.const_data_ptr<int64_t>());
+  pending.host_report =
+      at::empty({cosa::kNumInputChecks}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  pending.host_report.copy_(pending.report, /*non_blocking=*/true);
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&pending.copied, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(pending.copied, stream));
+  layout.input_report = reinterpret_cast<const unsigned long long*>(pending.report.const_data_ptr<int64_t>());
+}
+
+void finish_device_checks(const OpArgs& a, const Sizes& s, const PendingDeviceChecks& pending) {
+  if (pending.copied == nullptr) return;
+  // The one host synchronisation: it waits for the report, not for the kernels enqueued behind it.
+  // Announced to torch's sync debug mode (torch.cuda.set_sync_debug_mode), as its own waits are.
+  c10::cuda::warn_or_error_on_sync();
+  C10_CUDA_CHECK(cudaEventSynchronize(pending.copied));
+  const auto* keys = reinterpret_cast<const uint64_t*>(pending.host_report.const_data_ptr<int64_t>());
   constexpr uint64_t kPassed = ~uint64_t{0};
   if (std::all_of(keys, keys + cosa::kNumInputChecks, [](uint64_t k) { return k == kPassed; })) return;
   const IndexData d = read_index_data(a);
@@ -701,9 +733,12 @@ std::tuple<at::Tensor, at::Tensor> kap_cuda(const at::Tensor& q, const at::Tenso
                  max_seqlen_k, stride, top_p, softmax_scale, std::nullopt, std::nullopt, proxy_precision};
   const Sizes s = check_cuda_args(a);
   const c10::cuda::CUDAGuard device_guard(q.device());
-  const cosa::PagedLayout layout = make_layout(s, a, max_seqlen_k, ceil_div(max_seqlen_k, kBlock));
-  check_device_data(a, s, layout);
-  return launch_kap(a.op, layout, q, stride, top_p, proxy_precision, at::cuda::getCurrentCUDAStream().stream());
+  cosa::PagedLayout layout = make_layout(s, a, max_seqlen_k, ceil_div(max_seqlen_k, kBlock));
+  PendingDeviceChecks checks;
+  enqueue_device_checks(a, layout, checks);
+  auto lists = launch_kap(a.op, layout, q, stride, top_p, proxy_precision, at::cuda::getCurrentCUDAStream().stream());
+  finish_device_checks(a, s, checks);
+  return lists;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> osk_cuda(const at::Tensor& q, const at::Tensor& k_cache,
@@ -719,9 +754,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> osk_cuda(const at::Tensor& q, con
   // OSK takes no max_seqlen_k: the page table's capacity bounds every KV length (checked on the
   // device), and order's last dim is the row length of the lists.
   const int64_t kv_capacity = std::min(s.max_pages * s.page_size, kMaxInt);
-  const cosa::PagedLayout layout = make_layout(s, a, kv_capacity, order.size(2));
-  check_device_data(a, s, layout);
-  return launch_osk(a.op, layout, q, order, counts, delta, vote, at::cuda::getCurrentCUDAStream().stream());
+  cosa::PagedLayout layout = make_layout(s, a, kv_capacity, order.size(2));
+  PendingDeviceChecks checks;
+  enqueue_device_checks(a, layout, checks);
+  auto result = launch_osk(a.op, layout, q, order, counts, delta, vote, at::cuda::getCurrentCUDAStream().stream());
+  finish_device_checks(a, s, checks);
+  return result;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_cuda(
@@ -733,13 +771,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_c
                  max_seqlen_q, max_seqlen_k, stride, top_p, softmax_scale, delta, vote, proxy_precision};
   const Sizes s = check_cuda_args(a);
   const c10::cuda::CUDAGuard device_guard(q.device());
-  const cosa::PagedLayout layout = make_layout(s, a, max_seqlen_k, ceil_div(max_seqlen_k, kBlock));
-  check_device_data(a, s, layout);
+  cosa::PagedLayout layout = make_layout(s, a, max_seqlen_k, ceil_div(max_seqlen_k, kBlock));
+  PendingDeviceChecks checks;
+  enqueue_device_checks(a, layout, checks);
   // KAP then OSK on one stream, the host never waiting in between; the lists that KAP just wrote
   // satisfy the contract by construction, so they are not checked again.
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   auto [order, counts] = launch_kap(a.op, layout, q, stride, top_p, proxy_precision, stream);
   auto [out, lse, skipped] = launch_osk(a.op, layout, q, order, counts, delta, vote, stream);
+  finish_device_checks(a, s, checks);
   return {out, lse, order, counts, skipped};
 }
 

@@ -205,6 +205,27 @@ def test_bad_lists_are_a_clear_error(ops, device):
 
 
 @pytest.mark.gpu
+def test_kernels_enqueued_behind_failed_checks_do_nothing(ops):
+    """With the device checks on, the op's kernels are enqueued before the host has read the checks'
+    report, and must do nothing when a check failed: a page id far outside the cache (a kernel that
+    read it would fault, and the fault would stick to the CUDA context) raises the check's error,
+    and the same call with good inputs then gives the results it gave before."""
+    p = small_problem(device="cuda")
+    expected = ops.prefill(*prefill_args(p))
+    for op_name in ("prefill", "kap"):
+        bad = p["page_table"].clone()
+        bad[0, 0] = 1 << 30
+        args = prefill_args({**p, "page_table": bad})
+        call = ops.prefill if op_name == "prefill" else lambda *a: ops.kap(*a[:2], *a[3:])
+        with pytest.raises(ValueError, match=rf"cosa.{op_name}: page_table\[0, 0\]"):
+            call(*args)
+        torch.cuda.synchronize()
+    got = ops.prefill(*prefill_args(p))
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 def test_device_checks_can_be_turned_off(ops):
     """The device-data checks are the ops' one host synchronisation: on by default, and gone
     (same results, no synchronisation) with cosa.set_device_checks(False)."""

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "common/input_gate.cuh"
 #include "common/query_blocks.cuh"
 #include "kap/kap_traits.h"
 
@@ -52,6 +53,7 @@ __global__ void __launch_bounds__(kRangeThreads)
     kap_key_range_kernel(const KapDeviceArgs args) {
   cudaGridDependencySynchronize();  // the zeroed words; the caches may come from the kernel before
   cudaTriggerProgrammaticLaunchCompletion();
+  if (inputs_rejected(args.layout)) return;
   constexpr int kChunks = kHeadDim / 8;                  // 16-byte chunks of a key row
   constexpr int kKeysPerPass = kRangeThreads / kChunks;  // keys the CTA reads at once
   constexpr int kPasses = kBlockSize / kKeysPerPass;
@@ -174,6 +176,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   // caches may come from the kernel before KAP.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
+  if (inputs_rejected(args.layout)) return;
   constexpr int kChunksPerToken = kHeadDim / 8;
   constexpr int kTokenStep = kQuantizeThreads / kChunksPerToken;  // tokens between a thread's chunks
   constexpr int kChunks = kBlockSize / kTokenStep;                 // chunks per thread

@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "common/async_copy.cuh"
+#include "common/input_gate.cuh"
 #include "common/tma_pipeline.cuh"
 #include "kap/kap_mma.cuh"
 #include "kap/kap_traits.h"
@@ -87,6 +88,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   // as soon as every CTA here has started: its CTAs then wait on SMs that this grid has left.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
+  if (inputs_rejected(args.layout)) return;
   const PagedLayout& L = args.layout;
   const int tile = args.num_tiles - 1 - static_cast<int>(blockIdx.z);  // longest tiles first
   const int head = args.head_begin + static_cast<int>(blockIdx.x);

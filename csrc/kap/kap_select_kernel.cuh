@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "common/input_gate.cuh"
 #include "common/query_blocks.cuh"
 #include "kap/kap_traits.h"
 
@@ -176,6 +177,7 @@ __global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const 
   // has started, and waits for this grid before reading anything it writes.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
+  if (inputs_rejected(args.layout)) return;
   constexpr int kRowsPerBlock = kBlockSize / kStride;
   constexpr int kWarps = kSelectThreads / 32;
   const int max_k_blocks = args.layout.max_k_blocks;
@@ -432,6 +434,7 @@ __global__ void __launch_bounds__(32 * kSelectWarps, kMaxElems <= 8 ? 8 : 3)
   // A dependent launch, as kap_select_block_kernel.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
+  if (inputs_rejected(args.layout)) return;
   constexpr int kRowsPerBlock = kBlockSize / kStride;
   const int max_k_blocks = args.layout.max_k_blocks;
   const int lane = threadIdx.x % 32;

@@ -7,6 +7,7 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "common/input_gate.cuh"
 #include "osk/osk_epilogue.h"
 #include "osk/osk_mainloop.h"
 #include "osk/osk_sync.h"
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // the kernel before this one (KAP's last select kernel in a prefill); the lists and counts that
   // KAP writes, and any global memory in the standalone op, are touched only past this wait.
   cudaGridDependencySynchronize();
+  if (inputs_rejected(kp.args.layout)) return;
 
   const OskTile tile = OskTileScheduler::get_tile(kp);
   if (!tile.valid) {  // padding row of order/counts/skipped: only skipped is defined there
