@@ -365,7 +365,7 @@ def test_fp8_lists_of_a_sequence_do_not_depend_on_its_neighbours(ops, d):
     call left in the workspace. So a sequence's fp8 lists are bitwise the same alone, first in a
     batch, and after a call whose large values filled the rows that its padding occupies (the
     caching allocator hands the same workspace back). Lengths are multiples of neither 128 nor s."""
-    both = problem([1001, 645], [1001 + 259, 645], hq=4, hkv=2, d=d, page_size=64, structure="mixed", seed=41)
+    both = problem([1001, 645], [1001 + 256, 645], hq=4, hkv=2, d=d, page_size=64, structure="mixed", seed=41)
     alone = first_sequence(both)
     order, counts = kap(ops, alone, 8, proxy_precision="fp8")
     blocks_q, blocks_k = counts.shape[1], order.shape[2]
