@@ -878,6 +878,35 @@ def test_long_context_list_agreement():
     assert got["iou_min"] == 0.5 and got["max_count_diff"] == 1
 
 
+@pytest.mark.parametrize("proxy", ["native", "fp8"])
+def test_long_context_valid_kept_sets(proxy):
+    """The e4m3 lists' check: the reference's own lists pass, with the slack and without; a list
+    missing a forced block fails; one holding a block past its top-p prefix fails without the
+    slack (with it, a list whose prefix reached top-p by less than the slack may pass)."""
+    from cosa import defaults, reference
+
+    n = 2048 + 77
+    p = long_context.structured_input(n, 4, 1, 128, seed=5, device="cpu")
+    args = [p[name] for name in ("q", "k_cache", "page_table", "cu_seqlens_q", "seqused_k")]
+    order, counts = reference.kap(*args, n, n, proxy_precision=proxy)
+    scores, hrm = reference.kap_scores(*args, n, n, proxy_precision=proxy)
+
+    def valid(o, slack=long_context.FP8_SCORE_SLACK):
+        return long_context.valid_kept_sets(o, scores, hrm, 0, defaults.TOP_P, slack)
+
+    assert valid(order).all() and valid(order, 0.0).all()
+    diagonal = torch.arange(order.shape[1], dtype=torch.int32)[None, :, None]
+    assert not valid(torch.where(order == diagonal, -1, order)).any()
+    kept = long_context.kept_sets(order, order.shape[2])
+    candidate = scores != float("-inf")
+    droppable = (candidate & ~kept).any(-1)
+    assert droppable.float().mean() > 0.5
+    best_dropped = torch.where(candidate & ~kept, scores, float("-inf")).argmax(-1).to(torch.int32)
+    widened = torch.cat([order, torch.full_like(order[..., :1], -1)], -1)
+    widened.scatter_(2, counts.long()[..., None], torch.where(droppable, best_dropped, -1)[..., None])
+    assert not valid(widened[..., :-1], 0.0)[droppable].any()
+
+
 def test_long_context_arguments_and_no_gpu(capsys):
     with pytest.raises(SystemExit):
         long_context.main(["--n", "64"])
