@@ -55,7 +55,7 @@ once S seconds have passed since the program started (the model's loading counts
 has (``complete: false`` in the JSON), and ``--resume FILE`` continues that file with the same
 configuration, keeping every answer it holds (each run is listed under ``runs``). A resumed run may
 add methods and ``--match`` entries to those of the file, finished or not: only the new arms run,
-so dense answers each prompt once however many sittings the comparison takes (the peers matched
+so dense answers each prompt once however many runs the comparison takes (the peers matched
 to CoSA get CoSA's lists of each prompt from one more CoSA prefill).
 
     python bench/accuracy.py --model DIR|FILE.gguf [--lengths 8192 16384 32768] [--samples 50]
