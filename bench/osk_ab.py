@@ -7,7 +7,8 @@ baseline. Its ``csrc/`` is exported under ``build-ab/<label>/`` and compiled wit
 ``csrc/build_manifest.json`` under a namespace of its own (``bench/osk_ab/variant_entry.cu``), all in
 parallel; ``bench/osk_ab/harness.cu`` (torch-free) then runs every tree on one sequence of 32 query
 heads and 8 KV heads, d 128, pages shuffled: dense lists at 16K and 32K, random 50% and 25% lists,
-page 16, and the skip kernel with nothing skipped. Each tree's output is compared element by element
+page 16, and the skip kernel with nothing skipped and with every block after the first skipped (a
+planted sink; the run prints the share skipped). Each tree's output is compared element by element
 with the baseline's (a change that keeps the arithmetic must match bit for bit); times are medians of
 CUDA-event timings in ``--rounds`` interleaved rounds, and the spread of the baseline's rounds says
 how large a difference is noise.
