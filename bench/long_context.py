@@ -99,11 +99,13 @@ def list_agreement(order, counts, ref_order, ref_counts) -> dict:
             "iou_min": float(iou.min()), "max_count_diff": int((counts - ref_counts).abs().max())}
 
 
-def valid_kept_sets(order, scores, hrm, prefix: int, top_p: float, slack: float) -> torch.Tensor:
+def valid_kept_sets(order, scores, hrm, prefix: int, top_p: float,
+                    slack: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per list, whether its kept set is a stage-1 set (spec section 2) under ``scores`` / ``hrm``
     with every score comparison allowed a relative ``slack``: it holds every forced candidate (HRM,
-    sink, diagonal), reaches top_p of the candidates' total, no dropped candidate outscores a kept block that was not forced (HRM, sink, diagonal),
-    and without its smallest such block it would fall short of top_p."""
+    sink, diagonal), reaches top_p of the candidates' total, no dropped candidate outscores a kept
+    block that was not forced, and without its smallest such block it would fall short of top_p;
+    and the share of the candidates' total that the list keeps."""
     nq, nk = scores.shape[1:]
     candidate = scores != -math.inf
     s = torch.where(candidate, scores, 0.0).double()
@@ -124,7 +126,7 @@ def valid_kept_sets(order, scores, hrm, prefix: int, top_p: float, slack: float)
     prefix_mass = (s * in_prefix).sum(-1)
     shortest = ~free.any(-1) | (prefix_mass - smallest_free < top_p * total * (1 + slack))
     holds_forced = ~(forced & candidate & ~kept).any(-1)
-    return holds_forced & reaches & no_better_dropped & shortest
+    return holds_forced & reaches & no_better_dropped & shortest, kept_mass / total
 
 
 def check_lists(cosa, n: int, seed: int, proxy: str) -> dict:
@@ -143,11 +145,9 @@ def check_lists(cosa, n: int, seed: int, proxy: str) -> dict:
         row["ok"] = row["max_count_diff"] <= 1 and row["iou_min"] >= 0.9
     else:
         scores, hrm = reference.kap_scores(*args, n, n, proxy_precision=proxy)
-        valid = valid_kept_sets(order, scores, hrm, 0, defaults.TOP_P, FP8_SCORE_SLACK)
+        valid, kept_share = valid_kept_sets(order, scores, hrm, 0, defaults.TOP_P, FP8_SCORE_SLACK)
         row["valid_lists"] = float(valid.float().mean())
-        finite = torch.where(scores != -math.inf, scores, 0.0).double()
-        kept_mass = (finite * kept_sets(order, scores.shape[2])).sum(-1) / finite.sum(-1)
-        row["kept_mass_min"] = float(kept_mass.min())
+        row["kept_mass_min"] = float(kept_share.min())
         row["ok"] = row["valid_lists"] >= FP8_MIN_VALID and row["iou_mean"] >= FP8_MIN_IOU
     return row
 

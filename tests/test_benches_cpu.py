@@ -892,7 +892,7 @@ def test_long_context_valid_kept_sets(proxy):
     scores, hrm = reference.kap_scores(*args, n, n, proxy_precision=proxy)
 
     def valid(o, slack=long_context.FP8_SCORE_SLACK):
-        return long_context.valid_kept_sets(o, scores, hrm, 0, defaults.TOP_P, slack)
+        return long_context.valid_kept_sets(o, scores, hrm, 0, defaults.TOP_P, slack)[0]
 
     assert valid(order).all() and valid(order, 0.0).all()
     diagonal = torch.arange(order.shape[1], dtype=torch.int32)[None, :, None]
