@@ -26,6 +26,11 @@ Methods (prefill only; decoding is always dense):
   kap            the same lists as cosa, without the skip (delta 0)
   kap-ascending  KAP's lists sorted ascending, run by OSK with the skip at the same delta and vote: KAP's
                  visiting order against ascending order (the realised budgets give the skip ratios)
+  kap-ascending-matched
+                 the same ascending lists with the skip's delta chosen per prompt so that the skip leaves
+                 out the share of the stage-1 blocks that CoSA's left out on that prompt (a bisection
+                 over log delta, each probe one prefill): the two orders at an equal skip ratio, so at
+                 an equal realised budget; the rows record the delta found and the share aimed at
   xattention, flexprefill, meanpool
                  the peers' masks (bench/proxies.py) turned into ascending lists and run by OSK, no skip
 The peers' budgets (``--match``, comma-separated; each entry runs every peer once, its rows tagged
@@ -59,7 +64,8 @@ so dense answers each prompt once however many runs the comparison takes (the pe
 to CoSA get CoSA's lists of each prompt from one more CoSA prefill).
 
     python bench/accuracy.py --model DIR|FILE.gguf [--lengths 8192 16384 32768] [--samples 50]
-        [--tasks ...] [--methods dense,cosa,cosa-fp8,kap,kap-ascending,xattention,flexprefill,meanpool]
+        [--tasks ...] [--methods dense,cosa,cosa-fp8,kap,kap-ascending,kap-ascending-matched,
+                    xattention,flexprefill,meanpool]
         [--match stage1,none] [--haystack-dir DIR] [--ppl-samples 8] [--time-limit S] [--resume FILE]
         [--plot] [--out bench/results]
 """
@@ -89,7 +95,11 @@ from cosa import defaults, reference  # noqa: E402
 from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
-METHODS = ("dense", "cosa", "cosa-fp8", "kap", "kap-ascending", *proxies.PEERS)
+METHODS = ("dense", "cosa", "cosa-fp8", "kap", "kap-ascending", "kap-ascending-matched", *proxies.PEERS)
+# kap-ascending-matched: the bisection over log(delta) stops within this many points of CoSA's skip share, or
+# after EQUAL_SKIP_PROBES prefills, keeping the closest delta probed.
+EQUAL_SKIP_TOLERANCE = 0.01
+EQUAL_SKIP_PROBES = 8
 MATCH_RULES = ("stage1", "realised", "none")
 SCORE_COLUMNS = ("method", "match", "n", "task", "score [95% CI]", "diff vs dense [95% CI]", "samples", "stage1",
                  "realised")
@@ -328,9 +338,10 @@ class Runner:
         self.lists: dict = {}  # (layer, Sq, Sk) -> list lengths [Hq, nq] of each sparse call of the last run
         self.cosa_lists: dict | None = None
         self.cosa_realised: dict | None = None
+        self.cosa_skipped: dict | None = None  # {"share": the share of stage-1 blocks CoSA's skip left out}
 
     def new_prompt(self) -> None:
-        self.cosa_lists = self.cosa_realised = None
+        self.cosa_lists = self.cosa_realised = self.cosa_skipped = None
 
     def selector(self, method: str, match: str | None):
         """The block selector of a sparse method: ``(module, q, k) -> (order, counts)``, recording the
@@ -344,7 +355,7 @@ class Runner:
                 order, counts = kap_lists(q, k, a, scale)
             elif method == "cosa-fp8":
                 order, counts = kap_lists(q, k, a, scale, "fp8")
-            elif method == "kap-ascending":
+            elif method in ("kap-ascending", "kap-ascending-matched"):
                 order, counts = ascending_lists(*kap_lists(q, k, a, scale))
             else:
                 order, counts = proxies.mask_to_lists(self.peer_mask(method, match, call, q, k, scale))
@@ -375,17 +386,30 @@ class Runner:
             raise RuntimeError(f"no CoSA {what} for {key} on this prompt: cosa must run before the matched peers")
         return records[key]
 
-    def run(self, method: str, match: str | None, fn):
-        """``(fn(), budgets)`` with ``method``'s prefill (the peers per ``match``): the stage-1 and
-        realised budgets over the sparse calls (1.0 when every call stayed dense)."""
+    def run(self, method: str, match: str | None, fn, ids: list[int]):
+        """``(fn(), budgets)`` with ``method``'s prefill (the peers per ``match``) over the prompt ``ids``:
+        the stage-1 and realised budgets over the sparse calls (1.0 when every call stayed dense);
+        kap-ascending-matched adds the delta it found and the skip share it aimed at."""
+        a = self.args
+        if method == "dense":
+            self.lists = {}
+            with torch.no_grad():
+                return fn(), dict(DENSE_BUDGETS)
+        if method == "kap-ascending-matched":
+            delta, target = self.equal_skip_delta(ids)
+            result, budgets = self.sparse_run(method, match, fn, delta)
+            return result, {**budgets, "delta": delta, "skip_target": target}
+        delta = a.delta if method in ("cosa", "cosa-fp8", "kap-ascending") else 0.0
+        result, budgets = self.sparse_run(method, match, fn, delta)
+        if method == "cosa":
+            self.cosa_skipped = {"share": skipped_share(budgets)}
+        return result, budgets
+
+    def sparse_run(self, method: str, match: str | None, fn, delta: float):
         from cosa.integrations import transformers as cosa_hf
 
         a = self.args
         self.lists = {}
-        if method == "dense":
-            with torch.no_grad():
-                return fn(), dict(DENSE_BUDGETS)
-        delta = a.delta if method in ("cosa", "cosa-fp8", "kap-ascending") else 0.0
         handle = cosa_hf.enable(self.model, stride=a.stride, delta=delta, vote=a.vote,
                                 min_prefill_tokens=a.min_prefill_tokens, collect_stats=True,
                                 block_selector=self.selector(method, match))
@@ -398,6 +422,43 @@ class Runner:
         if not handle.sparse_calls:
             return result, dict(DENSE_BUDGETS)
         return result, {"stage1": summary["stage1_budget"], "realised": summary["realised_budget"]}
+
+    def equal_skip_delta(self, ids: list[int]) -> tuple[float, float]:
+        """``(delta, target)``: the delta at which the skip over KAP's lists in ascending order leaves
+        out ``target``, the share of the stage-1 blocks that CoSA's skip left out on this prompt, to
+        within :data:`EQUAL_SKIP_TOLERANCE` or the closest of :data:`EQUAL_SKIP_PROBES` prefills. Within
+        a layer the share grows with delta (a larger delta only adds skips over the same lists and
+        running maxima); through the layers it does roughly so (the skipped blocks change what the next
+        layers see), which is enough for a bisection over log(delta): from --delta upwards, up to 0.99
+        of the prompt's length (delta >= the key count turns the skip off), where the ascending order
+        skips less than KAP's, else downwards. A prompt on which CoSA skipped nothing keeps --delta."""
+        a = self.args
+        target = self.cosa_record(self.cosa_skipped, "share", "skip share")
+        if target == 0.0:
+            return a.delta, target
+
+        def share_at(delta: float) -> float:
+            _, budgets = self.sparse_run("kap-ascending-matched", None, lambda: prefill(self.model, ids), delta)
+            return skipped_share(budgets)
+
+        probes = [(a.delta, share_at(a.delta))]
+        if probes[0][1] < target:
+            low, high = a.delta, 0.99 * len(ids)
+        else:
+            low, high = a.delta / 1000, a.delta
+        while abs(probes[-1][1] - target) > EQUAL_SKIP_TOLERANCE and len(probes) < EQUAL_SKIP_PROBES:
+            middle = math.sqrt(low * high)  # the midpoint in log(delta)
+            probes.append((middle, share_at(middle)))
+            if probes[-1][1] < target:
+                low = middle
+            else:
+                high = middle
+        return min(probes, key=lambda probe: abs(probe[1] - target))[0], target
+
+
+def skipped_share(budgets: dict) -> float:
+    """The share of the stage-1 blocks that the skip left out, from a run's budgets."""
+    return 1 - budgets["realised"] / budgets["stage1"]
 
 
 def generate(model, tokenizer, ids: list[int], max_new_tokens: int) -> str:
@@ -513,9 +574,9 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
     def prepare_matching(todo, ids):
         """CoSA's lists of this prompt for the peers matched to them, when CoSA answered the prompt in
         an earlier run: one prefill with CoSA (the lists depend on the prompt alone)."""
-        if ("cosa", None) not in todo and any(m in proxies.PEERS and match in ("stage1", "realised")
-                                              for m, match in todo):
-            runner.run("cosa", None, lambda: prefill(model, ids))
+        if ("cosa", None) not in todo and any((m in proxies.PEERS and match in ("stage1", "realised"))
+                                              or m == "kap-ascending-matched" for m, match in todo):
+            runner.run("cosa", None, lambda: prefill(model, ids), ids)
 
     def answer_task(n, task, s, make_prompt, arms_here):
         """The arms of ``arms_here`` that no earlier run answered on this prompt."""
@@ -528,7 +589,8 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
         prepare_matching(todo, ids)
         for method, match in todo:
             bar.set_postfix_str(f"n={n} {task} #{s} {method}" + (f" ({match})" if match else ""))
-            text, budgets = runner.run(method, match, lambda: generate(model, tokenizer, ids, args.max_new_tokens))
+            text, budgets = runner.run(method, match, lambda: generate(model, tokenizer, ids, args.max_new_tokens),
+                                       ids)
             samples.append({"method": method, "match": match, "n": n, "task": task, "sample": s, "tokens": len(ids),
                             "score": score_answer(text, answers), "answer": text.strip()[:200], "expected": answers,
                             **budgets})
@@ -572,7 +634,7 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
                 prepare_matching(todo, ids)
                 for method, match in todo:
                     bar.set_postfix_str(f"n={n} ppl #{s} {method}" + (f" ({match})" if match else ""))
-                    (nll, count), budgets = runner.run(method, match, lambda: tail_nll(model, ids))
+                    (nll, count), budgets = runner.run(method, match, lambda: tail_nll(model, ids), ids)
                     ppl_rows.append({"method": method, "match": match, "n": n, "sample": s, "nll": nll, "tokens": count,
                                      "ppl": math.exp(nll / count), **budgets})
                     bar.update(1)
@@ -791,15 +853,16 @@ def parse_args(argv=None):
     p.add_argument("--ppl-dir", default=None, help="folder of .txt files for perplexity (default: the haystack)")
     p.add_argument("--top-p", type=float, default=defaults.TOP_P,
                    help=f"KAP's top-p, the share of the proxy mass its lists keep (cosa, cosa-fp8, kap and "
-                        f"kap-ascending; default {defaults.TOP_P})")
+                        f"both kap-ascending arms; default {defaults.TOP_P})")
     p.add_argument("--delta", type=float, default=defaults.DELTA,
-                   help=f"OSK's skip threshold for cosa, cosa-fp8 and kap-ascending (<= 0: no in-kernel skip; kap and "
-                        f"the peers always run without it; default {defaults.DELTA:g})")
+                   help=f"OSK's skip threshold for cosa, cosa-fp8 and kap-ascending, and where kap-ascending-matched's "
+                        f"search starts (<= 0: no in-kernel skip; kap and the peers always run without it; default "
+                        f"{defaults.DELTA:g})")
     p.add_argument("--vote", choices=reference.VOTE_SCOPES, default=defaults.VOTE,
                    help=f"who decides a skip together, each 64-row half of a tile or the tile (cosa, cosa-fp8 "
-                        f"and kap-ascending; default {defaults.VOTE})")
+                        f"and both kap-ascending arms; default {defaults.VOTE})")
     p.add_argument("--proxy-precision", choices=reference.PROXY_PRECISIONS, default=defaults.PROXY_PRECISION,
-                   help=f"what KAP's proxy GEMM multiplies for cosa, kap and kap-ascending: q and k as given "
+                   help=f"what KAP's proxy GEMM multiplies for cosa, kap and both kap-ascending arms: q and k as given "
                         f"(native), e4m3 copies (fp8), or fp8 from {defaults.FP8_PROXY_MIN_KEYS} keys on (auto; "
                         f"default {defaults.PROXY_PRECISION})")
     p.add_argument("--stride", type=int, default=defaults.STRIDE,

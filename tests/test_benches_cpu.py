@@ -403,23 +403,23 @@ def test_stage1_matching_gives_each_peer_cosas_list_lengths(tiny_model_dir, monk
         return accuracy.tail_nll(model, ids)
 
     runner.new_prompt()
-    runner.run("cosa", None, forward)
+    runner.run("cosa", None, forward, ids)
     cosa_counts = runner.cosa_lists
     assert set(cosa_counts) == {(0, 1024, 1024), (1, 1024, 1024)}
     # Lengths that differ between the heads of one query block: no count per query block could give them.
     assert all((c != c[:1]).any() for c in cosa_counts.values())
     for peer in accuracy.proxies.PEERS:
-        runner.run(peer, "stage1", forward)
+        runner.run(peer, "stage1", forward, ids)
         assert runner.lists.keys() == cosa_counts.keys(), peer
         for call, counts in cosa_counts.items():
             assert torch.equal(runner.lists[call], counts), (peer, call)
-        runner.run(peer, "realised", forward)
+        runner.run(peer, "realised", forward, ids)
         for (layer, _, _), counts in runner.lists.items():
             uniform = accuracy.proxies.budget_counts(8, 8, 0, runner.cosa_realised[layer])
             assert torch.equal(counts, uniform.expand_as(counts).int()), (peer, layer)
     runner.new_prompt()  # a new prompt without CoSA's run: nothing to match, and no silent fallback
     with pytest.raises(RuntimeError, match="cosa must run before the matched peers"):
-        runner.run("xattention", "stage1", forward)
+        runner.run("xattention", "stage1", forward, ids)
 
 
 def test_accuracy_skip_only_where_the_method_has_it(tiny_model_dir, monkeypatch):
@@ -442,11 +442,53 @@ def test_accuracy_skip_only_where_the_method_has_it(tiny_model_dir, monkeypatch)
     ids = accuracy.haystack_token_ids(tokenizer, None, 512)
     runner.new_prompt()
     for method, match in accuracy.arms_of(args):
-        _, budgets = runner.run(method, match, lambda: accuracy.tail_nll(model, ids))
+        _, budgets = runner.run(method, match, lambda: accuracy.tail_nll(model, ids), ids)
         assert 0 < budgets["realised"] <= budgets["stage1"] <= 1
     skip = (300.0, "tile")
+    matched_delta, matched_vote = settings.pop("kap-ascending-matched")
+    assert matched_delta > 0 and matched_vote == "tile"
     assert settings == {"cosa": skip, "cosa-fp8": skip, "kap": (0.0, "tile"), "kap-ascending": skip,
                         **{peer: (0.0, "tile") for peer in accuracy.proxies.PEERS}}
+
+
+@pytest.mark.parametrize("target", [0.42, 0.05, 0.0, 0.95])
+def test_kap_ascending_matched_finds_the_delta_of_cosas_skip_share(tiny_model_dir, monkeypatch, target):
+    """The bisection over log(delta) reaches CoSA's skip share from --delta, upwards or downwards, on a
+    share that grows with delta as the skip's does; the final run uses the delta found and its rows
+    record it. A prompt on which CoSA skipped nothing keeps --delta; a share out of reach below 0.99 of
+    the prompt's length gets the closest delta probed."""
+    args = accuracy.parse_args(["--model", str(tiny_model_dir), "--delta", "2000"])
+    runner = accuracy.Runner(None, args)
+    ids = list(range(8192))
+    deltas = []
+
+    def share(delta):  # grows with delta: 0.1 at --delta, at most 0.9
+        return min(0.9, 0.1 * (delta / 2000) ** 1.5)
+
+    def answer():
+        return "answer"
+
+    def fake_sparse_run(method, match, fn, delta):  # probes are prefills (not run here), the last run answers
+        assert method == "kap-ascending-matched"
+        deltas.append(delta)
+        return fn() if fn is answer else None, {"stage1": 0.5, "realised": 0.5 * (1 - share(delta))}
+
+    monkeypatch.setattr(runner, "sparse_run", fake_sparse_run)
+    with pytest.raises(RuntimeError, match="cosa must run before"):
+        runner.run("kap-ascending-matched", None, answer, ids)
+    runner.cosa_skipped = {"share": target}
+    deltas.clear()
+    result, budgets = runner.run("kap-ascending-matched", None, answer, ids)
+    assert result == "answer" and budgets["skip_target"] == target and budgets["delta"] == deltas[-1]
+    if target == 0.0:
+        assert deltas == [2000.0]
+        return
+    assert deltas[0] == 2000.0 and len(deltas) <= accuracy.EQUAL_SKIP_PROBES + 1
+    assert all(d < 0.99 * len(ids) for d in deltas)
+    if target > 0.9:
+        assert budgets["delta"] == max(deltas[:-1]) and accuracy.skipped_share(budgets) < target
+    else:
+        assert abs(accuracy.skipped_share(budgets) - target) <= accuracy.EQUAL_SKIP_TOLERANCE
 
 
 @pytest.mark.parametrize("task", accuracy.TASKS)
