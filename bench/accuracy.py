@@ -28,9 +28,10 @@ Methods (prefill only; decoding is always dense):
                  visiting order against ascending order (the realised budgets give the skip ratios)
   kap-ascending-matched
                  the same ascending lists with the skip's delta chosen per prompt so that the skip leaves
-                 out the share of the stage-1 blocks that CoSA's left out on that prompt (a bisection
-                 over log delta, each probe one prefill): the two orders at an equal skip ratio, so at
-                 an equal realised budget; the rows record the delta found and the share aimed at
+                 out the share of the stage-1 blocks that CoSA's left out on that prompt (a search over
+                 log delta from the previous prompt's, each probe one prefill): the two orders at an
+                 equal skip ratio, so at an equal realised budget; the rows record the delta found and
+                 the share aimed at
   xattention, flexprefill, meanpool
                  the peers' masks (bench/proxies.py) turned into ascending lists and run by OSK, no skip
 The peers' budgets (``--match``, comma-separated; each entry runs every peer once, its rows tagged
@@ -96,8 +97,8 @@ from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 METHODS = ("dense", "cosa", "cosa-fp8", "kap", "kap-ascending", "kap-ascending-matched", *proxies.PEERS)
-# kap-ascending-matched: the bisection over log(delta) stops within this many points of CoSA's skip share, or
-# after EQUAL_SKIP_PROBES prefills, keeping the closest delta probed.
+# kap-ascending-matched: the search over log(delta) stops within this share of CoSA's skipped share, or after
+# EQUAL_SKIP_PROBES prefills, keeping the closest delta probed.
 EQUAL_SKIP_TOLERANCE = 0.01
 EQUAL_SKIP_PROBES = 8
 MATCH_RULES = ("stage1", "realised", "none")
@@ -339,6 +340,7 @@ class Runner:
         self.cosa_lists: dict | None = None
         self.cosa_realised: dict | None = None
         self.cosa_skipped: dict | None = None  # {"share": the share of stage-1 blocks CoSA's skip left out}
+        self.matched_ratio: float | None = None  # kap-ascending-matched's last delta over its prompt's length
 
     def new_prompt(self) -> None:
         self.cosa_lists = self.cosa_realised = self.cosa_skipped = None
@@ -426,34 +428,50 @@ class Runner:
     def equal_skip_delta(self, ids: list[int]) -> tuple[float, float]:
         """``(delta, target)``: the delta at which the skip over KAP's lists in ascending order leaves
         out ``target``, the share of the stage-1 blocks that CoSA's skip left out on this prompt, to
-        within :data:`EQUAL_SKIP_TOLERANCE` or the closest of :data:`EQUAL_SKIP_PROBES` prefills. Within
-        a layer the share grows with delta (a larger delta only adds skips over the same lists and
-        running maxima); through the layers it does roughly so (the skipped blocks change what the next
-        layers see), which is enough for a bisection over log(delta): from --delta upwards, up to 0.99
-        of the prompt's length (delta >= the key count turns the skip off), where the ascending order
-        skips less than KAP's, else downwards. A prompt on which CoSA skipped nothing keeps --delta."""
+        within :data:`EQUAL_SKIP_TOLERANCE` or the closest of :data:`EQUAL_SKIP_PROBES` prefills.
+
+        Within a layer the share grows with delta (a larger delta only adds skips over the same lists
+        and running maxima); through the layers it does roughly so (the skipped blocks change what the
+        next layers see), which is enough for a search over log(delta): the first probe is the
+        previous prompt's answer (as a share of the prompt's length: the skip compares logits with
+        log(delta / keys)), --delta on the first prompt of a run; the next ones step by 4x towards the
+        target until it is bracketed, then bisect, within [--delta / 1000, 0.99 x the prompt's length]
+        (delta >= the key count turns the skip off). A prompt on which CoSA skipped nothing keeps
+        --delta."""
         a = self.args
         target = self.cosa_record(self.cosa_skipped, "share", "skip share")
         if target == 0.0:
             return a.delta, target
+        lowest, highest = a.delta / 1000, 0.99 * len(ids)
+        probes: list[tuple[float, float]] = []
 
-        def share_at(delta: float) -> float:
+        def probe(delta: float) -> bool:
+            """Runs one prefill at ``delta``; whether its share is the target's, within the tolerance."""
             _, budgets = self.sparse_run("kap-ascending-matched", None, lambda: prefill(self.model, ids), delta)
-            return skipped_share(budgets)
+            probes.append((delta, skipped_share(budgets)))
+            return abs(probes[-1][1] - target) <= EQUAL_SKIP_TOLERANCE
 
-        probes = [(a.delta, share_at(a.delta))]
-        if probes[0][1] < target:
-            low, high = a.delta, 0.99 * len(ids)
-        else:
-            low, high = a.delta / 1000, a.delta
-        while abs(probes[-1][1] - target) > EQUAL_SKIP_TOLERANCE and len(probes) < EQUAL_SKIP_PROBES:
-            middle = math.sqrt(low * high)  # the midpoint in log(delta)
-            probes.append((middle, share_at(middle)))
+        first = a.delta if self.matched_ratio is None else self.matched_ratio * len(ids)
+        low = high = None  # the largest delta probed below the target's share, the smallest above it
+        delta = min(max(first, lowest), highest)
+        while not probe(delta) and len(probes) < EQUAL_SKIP_PROBES:
             if probes[-1][1] < target:
-                low = middle
+                low = delta
             else:
-                high = middle
-        return min(probes, key=lambda probe: abs(probe[1] - target))[0], target
+                high = delta
+            if high is None:
+                if delta >= highest:
+                    break  # out of reach: the most the skip leaves out below the key count
+                delta = min(delta * 4, highest)
+            elif low is None:
+                if delta <= lowest:
+                    break
+                delta = max(delta / 4, lowest)
+            else:
+                delta = math.sqrt(low * high)  # the midpoint in log(delta)
+        best = min(probes, key=lambda p: abs(p[1] - target))[0]
+        self.matched_ratio = best / len(ids)
+        return best, target
 
 
 def skipped_share(budgets: dict) -> float:
