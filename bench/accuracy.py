@@ -590,8 +590,9 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
             raise OutOfTime
 
     def prepare_matching(todo, ids):
-        """CoSA's lists of this prompt for the peers matched to them, when CoSA answered the prompt in
-        an earlier run: one prefill with CoSA (the lists depend on the prompt alone)."""
+        """CoSA's lists of this prompt for the peers matched to them, and its skipped share for
+        kap-ascending-matched, when CoSA answered the prompt in an earlier run: one prefill with CoSA
+        (both depend on the prompt alone)."""
         if ("cosa", None) not in todo and any((m in proxies.PEERS and match in ("stage1", "realised"))
                                               or m == "kap-ascending-matched" for m, match in todo):
             runner.run("cosa", None, lambda: prefill(model, ids), ids)

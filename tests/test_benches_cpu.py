@@ -453,18 +453,20 @@ def test_accuracy_skip_only_where_the_method_has_it(tiny_model_dir, monkeypatch)
 
 def matched_runner(tiny_model_dir, monkeypatch):
     """A Runner whose prefills are replaced by a skipped share that grows with delta / keys as the
-    skip's does (0.1 at delta 2000 over 8192 keys, at most 0.9); returns it and the deltas run."""
+    skip's does (0.1 at delta 2000 over 8192 keys, at most 0.9); returns it, the deltas run and the
+    prompt (``prompt["keys"]``: its length, which the stand-in share reads)."""
     runner = accuracy.Runner(None, accuracy.parse_args(["--model", str(tiny_model_dir), "--delta", "2000"]))
     deltas = []
+    prompt = {"keys": 8192}
 
     def fake_sparse_run(method, match, fn, delta):  # probes are prefills (not run here), the last run answers
         assert method == "kap-ascending-matched"
         deltas.append(delta)
-        share = min(0.9, 0.1 * (delta / runner.keys * 4.096) ** 1.5)
+        share = min(0.9, 0.1 * (delta / prompt["keys"] * 4.096) ** 1.5)
         return fn() if fn is answer else None, {"stage1": 0.5, "realised": 0.5 * (1 - share)}
 
     monkeypatch.setattr(runner, "sparse_run", fake_sparse_run)
-    return runner, deltas
+    return runner, deltas, prompt
 
 
 def answer():
@@ -477,9 +479,8 @@ def test_kap_ascending_matched_finds_the_delta_of_cosas_skip_share(tiny_model_di
     final run uses the delta found and its rows record it. A prompt on which CoSA skipped nothing
     keeps --delta; a share out of reach below 0.99 of the prompt's length gets the closest delta
     probed."""
-    runner, deltas = matched_runner(tiny_model_dir, monkeypatch)
-    runner.keys = 8192
-    ids = list(range(runner.keys))
+    runner, deltas, prompt = matched_runner(tiny_model_dir, monkeypatch)
+    ids = list(range(prompt["keys"]))
     with pytest.raises(RuntimeError, match="cosa must run before"):
         runner.run("kap-ascending-matched", None, answer, ids)
     runner.cosa_skipped = {"share": target}
@@ -499,14 +500,13 @@ def test_kap_ascending_matched_finds_the_delta_of_cosas_skip_share(tiny_model_di
 def test_kap_ascending_matched_starts_from_the_previous_prompts_answer(tiny_model_dir, monkeypatch):
     """The next prompt's search starts from the last delta found, as a share of the prompt's length:
     where the skip behaves alike, one prefill finds it."""
-    runner, deltas = matched_runner(tiny_model_dir, monkeypatch)
+    runner, deltas, prompt = matched_runner(tiny_model_dir, monkeypatch)
     runner.cosa_skipped = {"share": 0.42}
-    runner.keys = 8192
     runner.run("kap-ascending-matched", None, answer, list(range(8192)))
     first_search = len(deltas) - 1
     found = deltas[-1]
     deltas.clear()
-    runner.keys = 4096
+    prompt["keys"] = 4096
     _, budgets = runner.run("kap-ascending-matched", None, answer, list(range(4096)))
     assert deltas == [found / 2, found / 2] and first_search > 1
     assert abs(accuracy.skipped_share(budgets) - 0.42) <= accuracy.EQUAL_SKIP_TOLERANCE
