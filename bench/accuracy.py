@@ -263,8 +263,13 @@ def _cwe_items(common, rare, count: int, rng: random.Random) -> list[str]:
     return [f"{i + 1}. {w}" for i, w in enumerate(words[:count])]
 
 
-def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str]) -> tuple[list[int], list[str]]:
-    """Token ids of one sample of ``task`` filled to at most ``n`` tokens, and its expected answers."""
+def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str],
+                 count: int | None = None) -> tuple[list[int], list[str], int]:
+    """Token ids of one sample of ``task`` filled to at most ``n`` tokens, its expected answers, and
+    the haystack's sentence (or item) count that fills it. ``count``: that count as an earlier run
+    of the same configuration found it, rendered once instead of searched for again (the search
+    tokenizes the whole prompt about 19 times: about a second at 32K tokens); a count that no longer
+    fits is searched for."""
     rng = random.Random(f"{task}:{n}:{seed}")
     intro, needles, question, prefix, answers, items = make_task(task, rng)
     depths = sorted(rng.random() for _ in needles)
@@ -285,6 +290,10 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str]) 
             return tokenizer.encode(text + prefix, add_special_tokens=False)
         return tokenizer.encode(f"{user}\n{prefix}", add_special_tokens=True)
 
+    if count is not None:
+        ids = render(count)
+        if len(ids) <= n:
+            return ids, answers, count
     # Grow the haystack geometrically to the length, then bisect for the largest that fits.
     low, high = 0, 16
     while len(render(high)) <= n:
@@ -295,7 +304,7 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str]) 
             low = mid
         else:
             high = mid
-    return render(low), answers
+    return render(low), answers, low
 
 
 def score_answer(text: str, answers: list[str]) -> float:
@@ -568,6 +577,9 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
     samples: list[dict] = list(resumed["samples"]) if resumed else []
     ppl_rows: list[dict] = list(resumed["ppl"]) if resumed else []
     dropped: list[dict] = list(resumed["dropped"]) if resumed else []
+    # The haystack count of every prompt built so far, by "n:task:seed", kept in the results so that
+    # a resumed run renders each prompt once.
+    prompt_counts: dict[str, int] = dict(resumed.get("prompt_counts", {})) if resumed else {}
     runs = list(resumed.get("runs", [])) if resumed else []
     runs.append({"commit": meta["commit"], "date": meta["date"]})
     header = {**(resumed or meta), "runs": runs}
@@ -579,7 +591,7 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
 
     def save(final=False, complete=False):
         payload = {**header, "model": name, "config": config_of(args), "samples": samples, "ppl": ppl_rows,
-                   "dropped": dropped, "complete": complete}
+                   "dropped": dropped, "prompt_counts": prompt_counts, "complete": complete}
         if final:
             payload["scores"], payload["summary"] = aggregate(samples, ppl_rows, dropped, args.bootstrap, args.seed)
         write_json(json_path, payload)
@@ -621,7 +633,10 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
 
             def prompt(task, s):
                 if (task, s) not in prompts:
-                    prompts[task, s] = build_prompt(tokenizer, task, n, args.seed + s, sentences)
+                    key = f"{n}:{task}:{args.seed + s}"
+                    ids, answers, prompt_counts[key] = build_prompt(tokenizer, task, n, args.seed + s, sentences,
+                                                                    prompt_counts.get(key))
+                    prompts[task, s] = ids, answers
                 return prompts[task, s]
 
             kept = list(args.tasks)

@@ -115,7 +115,8 @@ def worker(args) -> int:
         result["needle"] = []
         for n in args.needle_lengths:
             progress(f"{args.worker}: needles at {n}")
-            prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, seed, sentences) for seed in range(NEEDLE_SAMPLES)]
+            prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, seed, sentences)[:2]
+                       for seed in range(NEEDLE_SAMPLES)]
             texts = generate([ids for ids, _ in prompts], NEEDLE_NEW_TOKENS)
             result["needle"] += [{"n": n, "seed": seed, "tokens": len(ids), "text": text,
                                   "score": accuracy.score_answer(text, answers)}
@@ -134,7 +135,8 @@ def worker(args) -> int:
             routing.ROUTING.reset()
         n_max = max(args.lengths)
         sizes = [int(n_max * (0.25 + 0.75 * i / max(1, args.batch - 1))) for i in range(args.batch)]
-        prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, 1000 + i, sentences) for i, n in enumerate(sizes)]
+        prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, 1000 + i, sentences)[:2]
+                   for i, n in enumerate(sizes)]
         texts = generate([ids for ids, _ in prompts], NEEDLE_NEW_TOKENS)
         result["batch"] = {"sizes": [len(ids) for ids, _ in prompts], "texts": texts,
                            "scores": [accuracy.score_answer(t, a) for t, (_, a) in zip(texts, prompts)],

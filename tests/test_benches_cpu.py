@@ -518,12 +518,28 @@ def test_prompts_fit_and_hold_their_answers(task, tiny_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     sentences = accuracy.haystack_sentences(None)
-    ids, answers = accuracy.build_prompt(tokenizer, task, 1024, 0, sentences)
-    assert 900 < len(ids) <= 1024
+    ids, answers, count = accuracy.build_prompt(tokenizer, task, 1024, 0, sentences)
+    assert 900 < len(ids) <= 1024 and count > 0
     text = tokenizer.decode(ids).replace(" ", "")
     assert answers and all(a.replace(" ", "") in text for a in answers)
     assert accuracy.score_answer(" ".join(answers), answers) == 1.0
     assert accuracy.score_answer("nothing", answers) == 0.0
+
+
+def test_a_stored_haystack_count_renders_the_prompt_once(tiny_model_dir, monkeypatch):
+    """The count that the search found gives the same prompt with one tokenization instead of the
+    search's dozen; a count that no longer fits (another tokenizer, say) is searched for again."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    sentences = accuracy.haystack_sentences(None)
+    searched = accuracy.build_prompt(tokenizer, "niah_multikey", 1024, 3, sentences)
+    encode, calls = tokenizer.encode, []
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    assert accuracy.build_prompt(tokenizer, "niah_multikey", 1024, 3, sentences, searched[2]) == searched
+    assert len(calls) == 1
+    assert accuracy.build_prompt(tokenizer, "niah_multikey", 1024, 3, sentences, 4 * searched[2]) == searched
+    assert len(calls) > 5
 
 
 def test_haystack_from_a_text_folder(tmp_path):
@@ -846,6 +862,9 @@ def test_accuracy_resumes_a_stopped_run(tmp_path, tiny_model_dir):
     assert rc == 0
     resumed = json.loads(path.read_text())
     assert resumed["complete"] and len(resumed["runs"]) == 2
+    # Each prompt's haystack count is kept, so that a resumed run renders it once.
+    assert sorted(resumed["prompt_counts"]) == sorted(f"512:{t}:{s}" for t in ("niah_single", "vt") for s in (0, 1))
+    assert resumed["prompt_counts"] == whole["prompt_counts"]
     # Every answer of the earlier run was kept; only the missing one (xattention on the last prompt) ran.
     last = whole["samples"][-1]
     assert (last["method"], last["match"]) == ("xattention", "stage1")
@@ -878,12 +897,14 @@ def test_accuracy_resume_adds_methods(tmp_path, tiny_model_dir):
     first = accuracy_run(tmp_path / "first", tiny_model_dir, *common_argv, "--methods", "dense,cosa")
     path = next((tmp_path / "first").glob("accuracy-*.json"))
     marked = {**first, "samples": [{**r, "answer": "from the first run"} for r in first["samples"]]}
+    del marked["prompt_counts"]  # as in the files written before the counts were kept
     path.write_text(json.dumps(marked))
     run = ["--model", str(tiny_model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3", "--device", "cpu",
            "--bootstrap", "200", "--resume", str(path), *common_argv]
     assert accuracy.main([*run, "--methods", "dense,cosa,xattention", "--match", "stage1,none"]) == 0
     extended = json.loads(path.read_text())
     assert extended["complete"] and extended["config"]["methods"] == ["dense", "cosa", "xattention"]
+    assert extended["prompt_counts"] == every["prompt_counts"]
     new = [r for r in extended["samples"] if r["answer"] != "from the first run"]
     assert {(r["method"], r["match"]) for r in new} == {("xattention", "stage1"), ("xattention", "none")}
     assert len([r for r in extended["samples"] if r["method"] in ("dense", "cosa")]) == len(first["samples"])
