@@ -61,6 +61,7 @@ def harness_path(kernel: str) -> Path:
 def labels_path(kernel: str) -> Path:
     return build_dir(kernel) / "labels.json"
 
+
 ROW = re.compile(r"^ROW case=(\S+) variant=(\S+) ms=(\S+) ratio=(\S+) mismatches=(\d+) rounds=(\S+)$")
 
 
