@@ -74,6 +74,7 @@ to CoSA get CoSA's lists of each prompt from one more CoSA prefill).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -275,6 +276,7 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str],
     depths = sorted(rng.random() for _ in needles)
     start = rng.randrange(len(sentences))
 
+    @functools.cache  # the search's last fitting count is rendered again as the result
     def render(count: int) -> list[int]:
         if items is not None:
             body = "\n".join(_cwe_items(*items, count, random.Random(seed)))

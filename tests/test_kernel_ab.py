@@ -47,8 +47,9 @@ def test_ptxas_report_names_both_serialisation_warnings():
            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
            "ptxas info    : Used 168 registers\n")
     assert kernel_ab.ptxas_report("osk", "v", log) == ["  v (no skip): 168 registers, 0 bytes spilled",
-                                             "  v: ptxas serialised the wgmmas (C7513)"]
-    assert kernel_ab.ptxas_report("osk", "v", log.replace("C7513", "C7514"))[-1] == "  v: ptxas serialised the wgmmas (C7514)"
+                                                       "  v: ptxas serialised the wgmmas (C7513)"]
+    assert (kernel_ab.ptxas_report("osk", "v", log.replace("C7513", "C7514"))[-1]
+            == "  v: ptxas serialised the wgmmas (C7514)")
     assert len(kernel_ab.ptxas_report("osk", "v", log.replace("(C7513)", ""))) == 1
 
 

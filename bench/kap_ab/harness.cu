@@ -13,11 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <random>
 #include <vector>
 
 #include "ab_common.cuh"
