@@ -6,7 +6,8 @@ other, so the kernel may break such near-ties differently from the reference: th
 a valid stage-1 list (spec section 2) under the reference's scores, up to a small relative tolerance.
 Covers strides 4/8/16, lengths that are not multiples of 128 or of the stride, varlen batches,
 prefixes, GQA ratios 1/4/8, page sizes 16..256, head dims 64/128, both dtypes, top_p 1, padding
-rows, determinism and CUDA-graph capture."""
+rows, determinism, CUDA-graph capture, and one 32K-key sequence (scoring CTAs that walk several
+column tiles)."""
 
 import math
 import sys
@@ -309,6 +310,18 @@ def test_fp8_long_prefix_many_heads(ops):
     # Several column tiles per row, a KV head per query head, page 256.
     p = problem([200], [200 + 4096], hq=4, hkv=4, page_size=256, structure="needles", seed=12)
     assert_fp8_agrees(ops, p, 8)
+
+
+# At 32K keys and 8 query heads KAP's launch gives each scoring CTA a unit of several column tiles
+# (256 columns wide with the native proxy), so that a CTA's pipeline runs on from one column tile's
+# epilogue into the next tile's loads: the production path, which the short problems above never take.
+@pytest.mark.parametrize("proxy_precision", ["native", "fp8"])
+def test_long_sequence_units_of_several_column_tiles(ops, proxy_precision):
+    p = problem([32768 - 37], [32768 - 37], hq=8, hkv=2, page_size=128, structure="mixed", seed=32)
+    if proxy_precision == "fp8":
+        assert_fp8_agrees(ops, p, 8)
+    else:
+        assert_valid(ops, p, 8, proxy_precision="native")
 
 
 def test_fp8_nan_poisons_its_block(ops):
