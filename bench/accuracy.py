@@ -58,7 +58,9 @@ length first, and the failed tasks are reported and not run by the other methods
 
 A long evaluation can be split over several runs: ``--time-limit S`` stops it between two prompts
 once S seconds have passed since the program started (the model's loading counts), saving what it
-has (``complete: false`` in the JSON), and ``--resume FILE`` continues that file with the same
+has (``complete: false`` in the JSON; its ``scores`` and ``summary``, and the tables it prints,
+cover the arms that already have every answer and window, dense among them), and ``--resume FILE``
+continues that file with the same
 configuration, keeping every answer it holds (each run is listed under ``runs``). A resumed run may
 add methods and ``--match`` entries to those of the file, finished or not: only the new arms run,
 so dense answers each prompt once however many runs the comparison takes (the peers matched
@@ -82,6 +84,7 @@ import re
 import string
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -591,11 +594,17 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
     bar = tqdm(total=total, desc="accuracy", file=sys.stderr, dynamic_ncols=True)
     bar.update(len(samples) + len(ppl_rows))
 
-    def save(final=False, complete=False):
+    def save(final=False, complete=False, stopped=False):
         payload = {**header, "model": name, "config": config_of(args), "samples": samples, "ppl": ppl_rows,
                    "dropped": dropped, "prompt_counts": prompt_counts, "complete": complete}
         if final:
             payload["scores"], payload["summary"] = aggregate(samples, ppl_rows, dropped, args.bootstrap, args.seed)
+        elif stopped:  # what is finished already, so that a stopped file still reads as results
+            done = finished_arms(samples, ppl_rows, dropped, args)
+            if done and (("dense", None) in done or ("dense", None) not in arms):
+                payload["scores"], payload["summary"] = aggregate(
+                    [r for r in samples if (r["method"], r["match"]) in done],
+                    [r for r in ppl_rows if (r["method"], r["match"]) in done], dropped, args.bootstrap, args.seed)
         write_json(json_path, payload)
         return payload
 
@@ -679,9 +688,22 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
         bar.close()
         progress(f"--time-limit {args.time_limit:g} s reached: {len(samples)} answers and {len(ppl_rows)} perplexity "
                  f"windows so far")
-        return save()
+        return save(stopped=True)
     bar.close()
     return save(final=True, complete=True)
+
+
+def finished_arms(samples: list[dict], ppl_rows: list[dict], dropped: list[dict], args) -> set[tuple]:
+    """The arms of the run, ``(method, match)``, that hold every answer (each sample of each task not
+    dropped at its length) and every perplexity window at every length."""
+    dropped_at = {(d["n"], d["task"]) for d in dropped}
+    answers = Counter((r["method"], r["match"], r["n"], r["task"]) for r in samples)
+    windows = Counter((r["method"], r["match"], r["n"]) for r in ppl_rows)
+    return {arm for arm in arms_of(args)
+            if all(windows[(*arm, n)] >= args.ppl_samples
+                   and all(answers[(*arm, n, task)] >= args.samples
+                           for task in args.tasks if (n, task) not in dropped_at)
+                   for n in args.lengths)}
 
 
 def dropped_tasks(samples: list[dict], n: int, min_score: float, resamples: int, seed: int) -> list[dict]:
@@ -981,6 +1003,9 @@ def main(argv=None) -> int:
                  "windows done")
     results = evaluate(args, model, tokenizer, name, meta, json_path, resumed, deadline)
     if not results["complete"]:
+        if results.get("summary"):
+            print(format_table(table_rows(results["summary"]), SUMMARY_COLUMNS))
+            print("\nthe arms with every answer and perplexity window so far")
         print(f"stopped at --time-limit; continue with --resume {json_path}")
         return 0
     if args.plot and results["summary"]:

@@ -924,6 +924,31 @@ def test_accuracy_resume_adds_methods(tmp_path, tiny_model_dir):
         accuracy.main([*run, "--methods", "dense,xattention", "--match", "none"])
 
 
+def test_accuracy_stopped_run_keeps_the_finished_arms_results(tmp_path, tiny_model_dir, capsys):
+    """A resumed run that adds a method and stops before its first prompt still holds the scores and
+    summary of the arms that were finished (those of the file it continued, equal to that file's
+    own), prints their table, and leaves the unfinished arm out of both."""
+    argv = ["--lengths", "512", "--samples", "2", "--ppl-samples", "1", "--tasks", "niah_single,vt",
+            "--no-drop-failed-tasks"]
+    first = accuracy_run(tmp_path, tiny_model_dir, *argv, "--methods", "dense,cosa")
+    path = next(tmp_path.glob("accuracy-*.json"))
+    capsys.readouterr()
+    assert accuracy.main(["--model", str(tiny_model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3",
+                          "--device", "cpu", "--bootstrap", "200", "--resume", str(path), *argv,
+                          "--methods", "dense,cosa,xattention", "--time-limit", "0"]) == 0
+    stopped = json.loads(path.read_text())
+    assert stopped["complete"] is False and len(stopped["samples"]) == len(first["samples"])
+    assert arms(stopped["summary"]) == arms(stopped["scores"]) == {("dense", None), ("cosa", None)}
+    assert stopped["summary"] == first["summary"] and stopped["scores"] == first["scores"]
+    out = capsys.readouterr().out
+    assert "the arms with every answer" in out and "stopped at --time-limit" in out
+    assert " cosa " in out and "xattention" not in out
+    samples = [r for r in first["samples"] if not (r["method"] == "cosa" and r["sample"] == 1)]
+    args = accuracy.parse_args(["--model", "m", *argv, "--methods", "dense,cosa"])
+    assert accuracy.finished_arms(samples, first["ppl"], [], args) == {("dense", None)}
+    assert accuracy.finished_arms(first["samples"], first["ppl"][1:], [], args) == {("cosa", None)}
+
+
 def test_accuracy_time_limit_counts_the_model_load(tmp_path, tiny_model_dir, monkeypatch):
     """--time-limit is a wall-clock budget for the whole run: a model that takes longer to load than
     the limit leaves no time for a prompt (counted from the end of the load, one prompt would run)."""
