@@ -58,13 +58,13 @@ length first, and the failed tasks are reported and not run by the other methods
 
 A long evaluation can be split over several runs: ``--time-limit S`` stops it between two prompts
 once S seconds have passed since the program started (the model's loading counts), saving what it
-has (``complete: false`` in the JSON; its ``scores`` and ``summary``, and the tables it prints,
+has (``complete: false`` in the JSON; its ``scores`` and ``summary``, and the table it prints,
 cover the arms that already have every answer and window, dense among them), and ``--resume FILE``
-continues that file with the same
-configuration, keeping every answer it holds (each run is listed under ``runs``). A resumed run may
-add methods and ``--match`` entries to those of the file, finished or not: only the new arms run,
-so dense answers each prompt once however many runs the comparison takes (the peers matched
-to CoSA get CoSA's lists of each prompt from one more CoSA prefill).
+continues that file with the same configuration, keeping every answer it holds (each run is listed
+under ``runs``). A resumed run may add methods and ``--match`` entries to those of the file,
+finished or not: only the new arms run, so dense answers each prompt once however many runs the
+comparison takes (the peers matched to CoSA get CoSA's lists of each prompt from one more CoSA
+prefill).
 
     python bench/accuracy.py --model DIR|FILE.gguf [--lengths 8192 16384 32768] [--samples 50]
         [--tasks ...] [--methods dense,cosa,cosa-fp8,kap,kap-ascending,kap-ascending-matched,
