@@ -285,8 +285,8 @@ def kept_set_iou(order, counts, ref_order, ref_counts):
     return float((a & b).sum() / (a | b).sum())
 
 
-def assert_fp8_agrees(ops, p, stride, min_iou=0.99):
-    assert_valid(ops, p, stride, max_invalid_fraction=0.03, proxy_precision="fp8", tol=FP8_TOL)
+def assert_fp8_agrees(ops, p, stride, min_iou=0.99, tol=FP8_TOL, max_invalid_fraction=0.03):
+    assert_valid(ops, p, stride, max_invalid_fraction=max_invalid_fraction, proxy_precision="fp8", tol=tol)
     order, counts = kap(ops, p, stride, proxy_precision="fp8")
     ref_order, ref_counts = R.kap(*kap_layout_args(p), stride=stride, proxy_precision="fp8")
     assert kept_set_iou(order, counts, ref_order, ref_counts) >= min_iou
@@ -313,13 +313,22 @@ def test_fp8_long_prefix_many_heads(ops):
 
 
 # At 32K keys and 8 query heads KAP's launch gives each scoring CTA a unit of several column tiles
-# (256 columns wide with the native proxy), so that a CTA's pipeline runs on from one column tile's
-# epilogue into the next tile's loads: the production path, which the short problems above never take.
+# (256 columns wide), so that a CTA's pipeline runs on from one column tile's epilogue into the next
+# tile's loads: the production path, which the short problems above never take. The fp8 lists are
+# held to a wider score slack here: rows of up to 256 candidates with planted needles carry proxy
+# logits large enough that the e4m3 accumulator's relative error moves block scores by percents
+# (H200: 258 of 2048 lists break the 0.3% slack, 61 a 1% one, 7 a 3% one, while every list's
+# leading HRM blocks equal the reference's, the counts differ by at most one block and the kept
+# sets overlap at IoU 0.992). A column tile read from the wrong stage or the wrong columns would
+# move whole blocks' scores, not percents.
+LONG_FP8_TOL = 3e-2
+
+
 @pytest.mark.parametrize("proxy_precision", ["native", "fp8"])
 def test_long_sequence_units_of_several_column_tiles(ops, proxy_precision):
     p = problem([32768 - 37], [32768 - 37], hq=8, hkv=2, page_size=128, structure="mixed", seed=32)
     if proxy_precision == "fp8":
-        assert_fp8_agrees(ops, p, 8)
+        assert_fp8_agrees(ops, p, 8, tol=LONG_FP8_TOL, max_invalid_fraction=0.01)
     else:
         assert_valid(ops, p, 8, proxy_precision="native")
 
