@@ -9,6 +9,9 @@ Tasks are generated here with the model's own tokenizer, each prompt filled to t
   niah_multivalue four numbers for one key; name all of them
   vt              variable tracking: VAR A = 12345, VAR B = VAR A, ... (a chain of 4); name them all
   cwe             common-word extraction: a long numbered list of words, 10 of them frequent; name those
+  essay_qa        a question over the haystack text itself: a sentence of it is quoted (one that occurs
+                  once in the prompt, at a random depth) and the answer is the sentence that follows it;
+                  the expected strings are that sentence's longest words that the quoted one lacks
 The haystack is the text of ``--haystack-dir`` (every *.txt file, in name order, cut into sentences)
 or, without it, synthetic filler sentences. Answers are greedy (``--max-new-tokens``); a sample scores
 the share of its expected strings found in the answer (RULER's string match).
@@ -61,8 +64,8 @@ once S seconds have passed since the program started (the model's loading counts
 has (``complete: false`` in the JSON; its ``scores`` and ``summary``, and the table it prints,
 cover the arms that already have every answer and window, dense among them), and ``--resume FILE``
 continues that file with the same configuration, keeping every answer it holds (each run is listed
-under ``runs``). A resumed run may add methods and ``--match`` entries to those of the file,
-finished or not: only the new arms run, so dense answers each prompt once however many runs the
+under ``runs``). A resumed run may add methods, ``--match`` entries and tasks to those of the file,
+finished or not: only the new arms and tasks run, so dense answers each prompt once however many runs the
 comparison takes (the peers matched to CoSA get CoSA's lists of each prompt from one more CoSA
 prefill).
 
@@ -99,7 +102,10 @@ import proxies  # noqa: E402
 from cosa import defaults, reference  # noqa: E402
 from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe", "essay_qa")
+# essay_qa: the expected words per question, each at least this long.
+ESSAY_QA_WORDS = 4
+ESSAY_QA_MIN_WORD = 5
 METHODS = ("dense", "cosa", "cosa-fp8", "kap", "kap-ascending", "kap-ascending-matched", *proxies.PEERS)
 # kap-ascending-matched: the search over log(delta) stops within this share of CoSA's skipped share, or after
 # EQUAL_SKIP_PROBES prefills, keeping the closest delta probed.
@@ -254,7 +260,40 @@ def make_task(task: str, rng: random.Random):
         question = "What are the 10 most common words in the list above?"
         prefix = "The 10 most common words in the list are:"
         return intro, [], question, prefix, common, (common, rare)
+    if task == "essay_qa":  # the question and answers depend on the haystack: essay_question()
+        intro = "Read the text below carefully: there will be a question about its exact wording at the end."
+        prefix = "The sentence that comes right after it in the text is:"
+        return intro, [], None, prefix, None, None
     raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
+
+
+def _words(sentence: str) -> list[str]:
+    return re.findall(r"[a-z]+", sentence.lower())
+
+
+def essay_question(hay: list[str], depth: float) -> tuple[str, list[str]]:
+    """``(question, answers)`` over the haystack sentences ``hay``: the sentence nearest ``depth`` (a
+    fraction of the haystack) that occurs once in it, has at least 8 words and is followed by a
+    sentence of at most 30 words (a quote that fits --max-new-tokens) with ESSAY_QA_WORDS words of
+    ESSAY_QA_MIN_WORD letters or more that it lacks itself; the answers are the longest of those
+    words (earliest first among equals), so that quoting the following sentence scores 1 and echoing
+    the quoted one scores 0."""
+    seen = Counter(hay)
+
+    def answer_words(i: int) -> list[str]:
+        quoted = set(_words(hay[i]))
+        fresh = list(dict.fromkeys(w for w in _words(hay[i + 1]) if len(w) >= ESSAY_QA_MIN_WORD and w not in quoted))
+        return sorted(fresh, key=lambda w: -len(w))[:ESSAY_QA_WORDS]
+
+    candidates = [i for i in range(len(hay) - 1)
+                  if seen[hay[i]] == 1 and len(hay[i].split()) >= 8 and len(hay[i + 1].split()) <= 30
+                  and len(answer_words(i)) == ESSAY_QA_WORDS]
+    if not candidates:
+        raise ValueError(f"essay_qa: no sentence of a {len(hay)}-sentence haystack can be asked about")
+    target = min(candidates, key=lambda i: (abs(i - depth * (len(hay) - 1)), i))
+    question = (f'In the text above, which sentence comes right after this one: "{hay[target]}" '
+                "Quote that sentence.")
+    return question, answer_words(target)
 
 
 def _cwe_items(common, rare, count: int, rng: random.Random) -> list[str]:
@@ -278,27 +317,37 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str],
     intro, needles, question, prefix, answers, items = make_task(task, rng)
     depths = sorted(rng.random() for _ in needles)
     start = rng.randrange(len(sentences))
+    question_depth = rng.random()  # essay_qa: where the quoted sentence lies
+
+    def haystack(count: int) -> list[str]:
+        return [sentences[(start + i) % len(sentences)] for i in range(count)]
 
     @functools.cache  # the search's last fitting count is rendered again as the result
     def render(count: int) -> list[int]:
+        asked = question
         if items is not None:
             body = "\n".join(_cwe_items(*items, count, random.Random(seed)))
         else:
-            hay = [sentences[(start + i) % len(sentences)] for i in range(count)]
+            hay = haystack(count)
+            if task == "essay_qa":
+                asked, _ = essay_question(hay, question_depth)
             for depth, needle in reversed(list(zip(depths, needles, strict=True))):
                 hay.insert(int(round(depth * count)), needle)
             body = " ".join(hay)
-        user = f"{intro}\n\n{body}\n\n{question}"
+        user = f"{intro}\n\n{body}\n\n{asked}"
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                                  add_generation_prompt=True)
             return tokenizer.encode(text + prefix, add_special_tokens=False)
         return tokenizer.encode(f"{user}\n{prefix}", add_special_tokens=True)
 
+    def expected(count: int) -> list[str]:
+        return essay_question(haystack(count), question_depth)[1] if task == "essay_qa" else answers
+
     if count is not None:
         ids = render(count)
         if len(ids) <= n:
-            return ids, answers, count
+            return ids, expected(count), count
     # Grow the haystack geometrically to the length, then bisect for the largest that fits.
     low, high = 0, 16
     while len(render(high)) <= n:
@@ -309,7 +358,7 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str],
             low = mid
         else:
             high = mid
-    return render(low), answers, low
+    return render(low), expected(low), low
 
 
 def score_answer(text: str, answers: list[str]) -> float:
@@ -535,9 +584,10 @@ class OutOfTime(Exception):
     """--time-limit was reached between two prompts."""
 
 
-# Options in which a resumed run may go beyond the run it continues: more methods, more match entries.
-# The answers already there stay, and only the new arms run (dense, typically the longest arm, once).
-EXTENDABLE_OPTIONS = ("methods", "match")
+# Options in which a resumed run may go beyond the run it continues: more methods, more match entries,
+# more tasks. The answers already there stay, and only the new arms and tasks run (dense, typically the
+# longest arm, once per prompt).
+EXTENDABLE_OPTIONS = ("methods", "match", "tasks")
 
 
 def missing_arms(rows: list[dict], arms: list, **where) -> list:
@@ -657,11 +707,12 @@ def evaluate(args, model, tokenizer, name: str, meta: dict, json_path: Path, res
                         answer_task(n, task, s, lambda: prompt(task, s), [("dense", None)])
                     save()
                 failed = dropped_tasks(samples, n, args.min_dense_score, args.bootstrap, args.seed)
-                if not any(row["n"] == n for row in dropped):  # a resumed run judged this length already
-                    for row in failed:
+                judged = {(row["n"], row["task"]) for row in dropped}  # by a run this one resumes
+                for row in failed:
+                    if (n, row["task"]) not in judged:
                         progress(f"n={n}: {row['task']} dropped, dense scores {interval_text(row, 'score')} "
                                  f"< {args.min_dense_score:g}")
-                    dropped += failed
+                        dropped.append(row)
                 kept = [t for t in args.tasks if t not in {row["task"] for row in failed}]
                 bar.total -= len(failed) * args.samples * len(sparse_arms)
                 bar.refresh()

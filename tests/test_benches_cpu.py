@@ -526,6 +526,61 @@ def test_prompts_fit_and_hold_their_answers(task, tiny_model_dir):
     assert accuracy.score_answer("nothing", answers) == 0.0
 
 
+def test_essay_question_asks_for_the_sentence_that_follows_a_unique_one():
+    hay = ["Short one.",
+           "This sentence appears twice in the haystack and cannot be asked about.",
+           "Cities were built near rivers because water carried goods cheaply.",
+           "Merchants gathered wherever barges unloaded their cargo.",
+           "This sentence appears twice in the haystack and cannot be asked about.",
+           "Every later paragraph repeats the earlier point about rivers and water.",
+           "Nothing follows this closing remark about harbours."]
+    question, answers = accuracy.essay_question(hay, 0.0)
+    # The nearest askable sentence to depth 0: index 2 (index 1 occurs twice, index 0 is too short).
+    assert '"Cities were built near rivers because water carried goods cheaply."' in question
+    assert answers == ["merchants", "gathered", "wherever", "unloaded"]  # longest first, then earliest
+    assert accuracy.score_answer(hay[3], answers) == 1.0
+    assert accuracy.score_answer(hay[2], answers) == 0.0  # echoing the quoted sentence scores nothing
+    # Near the end: index 5, whose answers skip "about", a word of its own.
+    question, answers = accuracy.essay_question(hay, 1.0)
+    assert question.count("Every later paragraph") == 1
+    assert answers == ["harbours", "nothing", "follows", "closing"]
+    with pytest.raises(ValueError, match="no sentence of a 2-sentence haystack"):
+        accuracy.essay_question(hay[:2], 0.5)
+
+
+def test_accuracy_resume_adds_a_task(tmp_path, tiny_model_dir, capsys):
+    """--resume with a task the file lacks runs it for every arm (dense judging it first, as at the
+    start: random weights fail it, so it is dropped and the sparse arms do not answer it), keeps the
+    earlier answers, and refuses a resume that leaves out a task of the file."""
+    common = ["--lengths", "512", "--samples", "2", "--ppl-samples", "1", "--methods", "dense,cosa"]
+    first = accuracy_run(tmp_path, tiny_model_dir, *common, "--tasks", "niah_single", "--min-dense-score", "0")
+    path = next(tmp_path.glob("accuracy-*.json"))
+    run = ["--model", str(tiny_model_dir), "--min-prefill-tokens", "256", "--max-new-tokens", "3", "--device", "cpu",
+           "--bootstrap", "200", "--resume", str(path), *common]
+    capsys.readouterr()
+    assert accuracy.main([*run, "--tasks", "niah_single,essay_qa", "--min-dense-score", "0"]) == 0
+    kept = json.loads(path.read_text())
+    assert kept["complete"] and kept["config"]["tasks"] == ["niah_single", "essay_qa"]
+    assert [r for r in kept["samples"] if r["task"] == "niah_single"] == first["samples"]
+    assert {(r["method"], r["task"]) for r in kept["samples"]} == {
+        (m, t) for m in ("dense", "cosa") for t in ("niah_single", "essay_qa")}
+    # With the default rule: the file's length was judged already (niah_single dropped there), and
+    # the new task is judged when it is added: dense fails it too, so it is dropped as well.
+    second = tmp_path / "second"
+    accuracy_run(second, tiny_model_dir, *common, "--tasks", "niah_single")
+    path = next(second.glob("accuracy-*.json"))
+    run[run.index("--resume") + 1] = str(path)
+    capsys.readouterr()
+    assert accuracy.main([*run, "--tasks", "niah_single,essay_qa"]) == 0
+    judged = json.loads(path.read_text())
+    assert [(d["n"], d["task"]) for d in judged["dropped"]] == [(512, "niah_single"), (512, "essay_qa")]
+    assert {r["method"] for r in judged["samples"]} == {"dense"}
+    err = capsys.readouterr().err
+    assert "n=512: essay_qa dropped" in err and "niah_single dropped" not in err
+    with pytest.raises(SystemExit, match="--tasks must include that run's niah_single, essay_qa"):
+        accuracy.main([*run, "--tasks", "essay_qa"])
+
+
 def test_a_stored_haystack_count_renders_the_prompt_once(tiny_model_dir, monkeypatch):
     """The count that the search found gives the same prompt with one tokenization instead of the
     search's dozen; a count that no longer fits (another tokenizer, say) is searched for again."""
