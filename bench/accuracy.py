@@ -348,13 +348,21 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str],
         ids = render(count)
         if len(ids) <= n:
             return ids, expected(count), count
+    def fits(count: int) -> bool:
+        try:
+            return len(render(count)) <= n
+        except ValueError:  # essay_qa: no sentence to ask about; a longer haystack may hold one
+            if count >= n:  # every sentence is a token at least: no longer haystack would fit
+                raise
+            return True
+
     # Grow the haystack geometrically to the length, then bisect for the largest that fits.
     low, high = 0, 16
-    while len(render(high)) <= n:
+    while fits(high):
         low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
-        if len(render(mid)) <= n:
+        if fits(mid):
             low = mid
         else:
             high = mid

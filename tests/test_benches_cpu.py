@@ -548,6 +548,32 @@ def test_essay_question_asks_for_the_sentence_that_follows_a_unique_one():
         accuracy.essay_question(hay[:2], 0.5)
 
 
+def test_essay_prompt_grows_past_haystacks_too_short_to_ask_about(tiny_model_dir, monkeypatch):
+    """The search for the haystack that fills the length starts at 16 sentences: where none of them
+    can be asked about it grows on instead of failing, and where no haystack that fits holds one it
+    raises instead of growing forever."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    sentences = accuracy.haystack_sentences(None)
+    real = accuracy.essay_question
+
+    def askable_from_40(hay, depth):
+        if len(hay) < 40:
+            raise ValueError("too short")
+        return real(hay, depth)
+
+    monkeypatch.setattr(accuracy, "essay_question", askable_from_40)
+    ids, answers, count = accuracy.build_prompt(tokenizer, "essay_qa", 1024, 0, sentences)
+    assert len(ids) <= 1024 and count >= 40 and len(answers) == accuracy.ESSAY_QA_WORDS
+    def never_askable(hay, depth):
+        raise ValueError("never")
+
+    monkeypatch.setattr(accuracy, "essay_question", never_askable)
+    with pytest.raises(ValueError, match="never"):
+        accuracy.build_prompt(tokenizer, "essay_qa", 1024, 0, sentences)
+
+
 def test_accuracy_resume_adds_a_task(tmp_path, tiny_model_dir, capsys):
     """--resume with a task the file lacks runs it for every arm (dense judging it first, as at the
     start: random weights fail it, so it is dropped and the sparse arms do not answer it), keeps the
