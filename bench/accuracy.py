@@ -322,15 +322,17 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str],
     def haystack(count: int) -> list[str]:
         return [sentences[(start + i) % len(sentences)] for i in range(count)]
 
+    @functools.cache  # rendered and then asked for its answers
+    def question_and_answers(count: int) -> tuple[str, list[str]]:
+        return essay_question(haystack(count), question_depth) if task == "essay_qa" else (question, answers)
+
     @functools.cache  # the search's last fitting count is rendered again as the result
     def render(count: int) -> list[int]:
-        asked = question
+        asked = question_and_answers(count)[0]
         if items is not None:
             body = "\n".join(_cwe_items(*items, count, random.Random(seed)))
         else:
             hay = haystack(count)
-            if task == "essay_qa":
-                asked, _ = essay_question(hay, question_depth)
             for depth, needle in reversed(list(zip(depths, needles, strict=True))):
                 hay.insert(int(round(depth * count)), needle)
             body = " ".join(hay)
@@ -341,13 +343,11 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str],
             return tokenizer.encode(text + prefix, add_special_tokens=False)
         return tokenizer.encode(f"{user}\n{prefix}", add_special_tokens=True)
 
-    def expected(count: int) -> list[str]:
-        return essay_question(haystack(count), question_depth)[1] if task == "essay_qa" else answers
-
     if count is not None:
         ids = render(count)
         if len(ids) <= n:
-            return ids, expected(count), count
+            return ids, question_and_answers(count)[1], count
+
     def fits(count: int) -> bool:
         try:
             return len(render(count)) <= n
@@ -366,7 +366,7 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str],
             low = mid
         else:
             high = mid
-    return render(low), expected(low), low
+    return render(low), question_and_answers(low)[1], low
 
 
 def score_answer(text: str, answers: list[str]) -> float:
