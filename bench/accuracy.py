@@ -905,6 +905,10 @@ def plot(summary: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 5))
     arms = list(dict.fromkeys(arm_label(r) for r in sorted(summary, key=lambda r: arm_order(r["method"], r["match"]))))
+    # Twelve arms and more outrun the default ten-colour cycle: 20 colours, and a marker per arm beside
+    # its colour, so that no two arms look alike.
+    colors = plt.get_cmap("tab20")
+    markers = "osD^vP*Xph<>"
     panels = ((ax1, "score", "ci_low", "ci_high"), (ax2, "ppl", "ppl_ci_low", "ppl_ci_high"),
               (ax3, "diff", "diff_ci_low", "diff_ci_high"))
     for i, label in enumerate(arms):
@@ -916,7 +920,7 @@ def plot(summary: list[dict], path: Path) -> bool:
             if points:
                 ax.errorbar([r["n"] * shift for r in points], [r[field] for r in points],
                             yerr=[[r[field] - r[low] for r in points], [r[high] - r[field] for r in points]],
-                            marker="o", capsize=3, label=label, color=f"C{i}")
+                            marker=markers[i % len(markers)], capsize=3, label=label, color=colors(i % colors.N))
     lengths = [r["n"] for r in summary]
     ax3.axhline(0.0, color="0.5", linewidth=1)
     for ax, title in ((ax1, "RULER-style score, mean over the tasks kept (95% CI)"),
@@ -928,8 +932,10 @@ def plot(summary: list[dict], path: Path) -> bool:
         ax.set_xlabel("prompt length (tokens)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize="small")
+    # One legend for the three panels, beside them, where it hides no bar.
+    handles, labels = ax1.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
     return save_figure(fig, path)
 
 

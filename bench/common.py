@@ -206,7 +206,8 @@ def save_figure(fig, path) -> bool:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # "tight" grows the image to hold a legend placed beside the axes.
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return True
 
