@@ -267,6 +267,10 @@ def make_task(task: str, rng: random.Random):
     raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
 
 
+class NothingToAsk(ValueError):
+    """essay_qa: no sentence of the haystack qualifies for the question (a longer one may hold one)."""
+
+
 def _words(sentence: str) -> list[str]:
     return re.findall(r"[a-z]+", sentence.lower())
 
@@ -289,7 +293,7 @@ def essay_question(hay: list[str], depth: float) -> tuple[str, list[str]]:
                   if seen[hay[i]] == 1 and len(hay[i].split()) >= 8 and len(hay[i + 1].split()) <= 30
                   and len(answer_words(i)) == ESSAY_QA_WORDS]
     if not candidates:
-        raise ValueError(f"essay_qa: no sentence of a {len(hay)}-sentence haystack can be asked about")
+        raise NothingToAsk(f"essay_qa: no sentence of a {len(hay)}-sentence haystack can be asked about")
     target = min(candidates, key=lambda i: (abs(i - depth * (len(hay) - 1)), i))
     question = (f'In the text above, which sentence comes right after this one: "{hay[target]}" '
                 "Quote that sentence.")
@@ -351,7 +355,7 @@ def build_prompt(tokenizer, task: str, n: int, seed: int, sentences: list[str],
     def fits(count: int) -> bool:
         try:
             return len(render(count)) <= n
-        except ValueError:  # essay_qa: no sentence to ask about; a longer haystack may hold one
+        except NothingToAsk:  # a longer haystack may hold a sentence to ask about
             if count >= n:  # every sentence is a token at least: no longer haystack would fit
                 raise
             return True
@@ -606,7 +610,7 @@ def missing_arms(rows: list[dict], arms: list, **where) -> list:
 
 def load_resumed(path: Path, args, name: str) -> dict:
     """The results file of an earlier run of the same configuration, to be continued in place; the
-    methods and match entries may be a superset of that run's."""
+    methods, match entries and tasks may be a superset of that run's."""
     earlier = json.loads(path.read_text())
     mine = {**config_of(args), "model": name}
     theirs = {**earlier.get("config", {}), "model": earlier.get("model")}

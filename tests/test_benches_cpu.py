@@ -560,14 +560,15 @@ def test_essay_prompt_grows_past_haystacks_too_short_to_ask_about(tiny_model_dir
 
     def askable_from_40(hay, depth):
         if len(hay) < 40:
-            raise ValueError("too short")
+            raise accuracy.NothingToAsk("too short")
         return real(hay, depth)
 
     monkeypatch.setattr(accuracy, "essay_question", askable_from_40)
     ids, answers, count = accuracy.build_prompt(tokenizer, "essay_qa", 1024, 0, sentences)
     assert len(ids) <= 1024 and count >= 40 and len(answers) == accuracy.ESSAY_QA_WORDS
+
     def never_askable(hay, depth):
-        raise ValueError("never")
+        raise accuracy.NothingToAsk("never")
 
     monkeypatch.setattr(accuracy, "essay_question", never_askable)
     with pytest.raises(ValueError, match="never"):
