@@ -288,6 +288,90 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
 #pragma unroll
   for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.f;
 
+  // The epilogue of one column tile: per row and key block, the max over the allowed columns
+  // c <= r + P/s, scaled, into bm, and the row's best into rm. kMasked: whether the tile reaches
+  // past a row's causal limit, so that each column must be tested.
+  auto reduce_tile_to_block_maxima = [&](int col0, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + row_in_tile + 8 * half;
+      const int col_limit = r + prefix_cols - col0;  // allowed iff column in tile <= col_limit
+      float group_max[kGroups];  // this thread's columns only
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int f = 0; f < kFragsPerGroup; ++f) {
+          const int frag = g * kFragsPerGroup + f;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = acc[4 * frag + 2 * half + e];
+            if (kMasked && 8 * frag + 2 * (lane % 4) + e > col_limit) v = -INFINITY;
+            m = fmaxf(m, v);
+          }
+        }
+        group_max[g] = m;
+      }
+      // The four lanes of a row reduce by halving exchanges: after the xor-1 step a lane keeps
+      // the groups with bit 0 equal to its own, after the xor-2 step those with bits 0-1 equal to
+      // (lane & 3): lane owns groups 4q + (lane & 3), at 1.5 s shuffles instead of 4 s.
+      float pair_max[kGroups / 2];
+#pragma unroll
+      for (int g = 0; g < kGroups; g += 2) {
+        const bool odd = lane & 1;
+        const float other = __shfl_xor_sync(0xffffffffu, odd ? group_max[g] : group_max[g + 1], 1);
+        pair_max[g / 2] = fmaxf(odd ? group_max[g + 1] : group_max[g], other);
+      }
+      float quad_max[kGroups / 4];
+#pragma unroll
+      for (int k = 0; k < kGroups / 2; k += 2) {
+        const bool high = lane & 2;
+        const float other = __shfl_xor_sync(0xffffffffu, high ? pair_max[k] : pair_max[k + 1], 2);
+        quad_max[k / 2] = fmaxf(high ? pair_max[k + 1] : pair_max[k], other);
+      }
+      if constexpr (kE4M3) {
+        // Each reduction step above combined one key block across lanes, so the lane's blocks
+        // 4q + (lane & 3) take their scales now (> 0: a block's max times its scale is the max of
+        // its scaled logits). Blocks past Lk have no scale, and no allowed column either.
+        const float* k_scale_row =
+            args.k_scale + static_cast<int64_t>(b) * L.max_k_blocks * L.num_heads_kv + kv_head;
+#pragma unroll
+        for (int q = 0; q < kGroups / 4; ++q) {
+          const int key_block = col0 / kRowsPerBlock + 4 * q + (lane & 3);
+          if (quad_max[q] != -INFINITY) {
+            quad_max[q] *= __ldg(k_scale_row + static_cast<int64_t>(key_block) * L.num_heads_kv);
+          }
+        }
+      }
+      float row_best = -INFINITY;  // blocks without an allowed column hold -inf
+#pragma unroll
+      for (int q = 0; q < kGroups / 4; ++q) row_best = fmaxf(row_best, quad_max[q]);
+      row_best = fmaxf(row_best, __shfl_xor_sync(0xffffffffu, row_best, 1));
+      row_best = fmaxf(row_best, __shfl_xor_sync(0xffffffffu, row_best, 2));
+      // The row's logits scale: sigma / s, times (e4m3) its query block's scale. Loaded here, not
+      // held through the main loop, which leaves the 256-column tile within the register file.
+      float row_scale = logit_scale;
+      if constexpr (kE4M3) {
+        if (r < num_rows) {
+          row_scale *= __ldg(args.q_scale + (first_row + r) / kRowsPerBlock * L.num_heads_q + head);
+        }
+      }
+      if (r < num_rows) {
+        float* out_row = block_max_head + (first_row + r) * L.max_k_blocks + col0 / kRowsPerBlock;
+#pragma unroll
+        for (int q = 0; q < kGroups / 4; ++q) {
+          const int g = 4 * q + (lane & 3);
+          // Block g has an allowed column iff its first column is allowed.
+          if (g * kRowsPerBlock <= col_limit) out_row[g] = quad_max[q] * row_scale;
+        }
+        if ((lane & 3) == 0 && row_best > -INFINITY) {
+          atomicMax(row_max_head + first_row + r, ordered_bits(row_best * row_scale));
+        }
+      }
+    }
+  };
+
   for (int step = 0; step < total_steps; ++step) {
     const int stage = step % kStages;
     const int slice = step % kSteps;
@@ -322,86 +406,16 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     }
 
     // Epilogue of column tile `col_tile`: per row and key block, the max over allowed columns
-    // c <= r + P/s. scale > 0, so max(x) * scale == max(x * scale) exactly.
+    // c <= r + P/s. scale > 0, so max(x) * scale == max(x * scale) exactly. Only the tiles that
+    // reach past a row's causal limit (the last one or two of a row tile) test each column; the
+    // others take a path without the per-column compare and select (12% fewer instructions in
+    // the whole kernel at 32K tokens).
     const int col_tile = col_tile_begin + step / kSteps;
     const int col0 = col_tile * kTileCols;
-    const bool needs_mask = col0 + kTileCols - 1 > row0 + prefix_cols;
-
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = row0 + row_in_tile + 8 * half;
-      const int col_limit = r + prefix_cols - col0;  // allowed iff column in tile <= col_limit
-      float group_max[kGroups];  // this thread's columns only
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int f = 0; f < kFragsPerGroup; ++f) {
-          const int frag = g * kFragsPerGroup + f;
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float v = acc[4 * frag + 2 * half + e];
-            if (needs_mask && 8 * frag + 2 * (lane % 4) + e > col_limit) v = -INFINITY;
-            m = fmaxf(m, v);
-          }
-        }
-        group_max[g] = m;
-      }
-      // The four lanes of a row reduce by halving exchanges: after the xor-1 step a lane keeps
-      // the groups with bit 0 equal to its own, after the xor-2 step those with bits 0-1 equal to
-      // (lane & 3): lane owns groups 4q + (lane & 3), at 1.5 s shuffles instead of 4 s.
-      float pair_max[kGroups / 2];
-#pragma unroll
-      for (int g = 0; g < kGroups; g += 2) {
-        const bool odd = lane & 1;
-        const float other = __shfl_xor_sync(0xffffffffu, odd ? group_max[g] : group_max[g + 1], 1);
-        pair_max[g / 2] = fmaxf(odd ? group_max[g + 1] : group_max[g], other);
-      }
-      float quad_max[kGroups / 4];
-#pragma unroll
-      for (int k = 0; k < kGroups / 2; k += 2) {
-        const bool high = lane & 2;
-        const float other = __shfl_xor_sync(0xffffffffu, high ? pair_max[k] : pair_max[k + 1], 2);
-        quad_max[k / 2] = fmaxf(high ? pair_max[k + 1] : pair_max[k], other);
-      }
-      // The row's logits scale: sigma / s, times (e4m3) its query block's scale. The scales are
-      // loaded here, not held through the main loop, which leaves the 256-column tile within the
-      // register file.
-      float row_scale = logit_scale;
-      if constexpr (kE4M3) {
-        // Each reduction step above combined one key block across lanes, so the lane's blocks
-        // 4q + (lane & 3) take their scales now (> 0: a block's max times its scale is the max of
-        // its scaled logits). Blocks past Lk have no scale, and no allowed column either.
-        const float* k_scale_row =
-            args.k_scale + static_cast<int64_t>(b) * L.max_k_blocks * L.num_heads_kv + kv_head;
-#pragma unroll
-        for (int q = 0; q < kGroups / 4; ++q) {
-          const int key_block = col0 / kRowsPerBlock + 4 * q + (lane & 3);
-          if (quad_max[q] != -INFINITY) {
-            quad_max[q] *= __ldg(k_scale_row + static_cast<int64_t>(key_block) * L.num_heads_kv);
-          }
-        }
-        if (r < num_rows) {
-          row_scale *= __ldg(args.q_scale + (first_row + r) / kRowsPerBlock * L.num_heads_q + head);
-        }
-      }
-      float row_best = -INFINITY;  // blocks without an allowed column hold -inf
-#pragma unroll
-      for (int q = 0; q < kGroups / 4; ++q) row_best = fmaxf(row_best, quad_max[q]);
-      row_best = fmaxf(row_best, __shfl_xor_sync(0xffffffffu, row_best, 1));
-      row_best = fmaxf(row_best, __shfl_xor_sync(0xffffffffu, row_best, 2));
-      if (r < num_rows) {
-        float* out_row = block_max_head + (first_row + r) * L.max_k_blocks + col0 / kRowsPerBlock;
-#pragma unroll
-        for (int q = 0; q < kGroups / 4; ++q) {
-          const int g = 4 * q + (lane & 3);
-          // Block g has an allowed column iff its first column is allowed.
-          if (g * kRowsPerBlock <= col_limit) out_row[g] = quad_max[q] * row_scale;
-        }
-        if ((lane & 3) == 0 && row_best > -INFINITY) {
-          atomicMax(row_max_head + first_row + r, ordered_bits(row_best * row_scale));
-        }
-      }
+    if (col0 + kTileCols - 1 > row0 + prefix_cols) {
+      reduce_tile_to_block_maxima(col0, std::true_type{});
+    } else {
+      reduce_tile_to_block_maxima(col0, std::false_type{});
     }
   }
   if constexpr (!kTmaLoads) cp_async_wait<0>();
