@@ -131,6 +131,9 @@ struct InputCheckParams {
   const int32_t* counts = nullptr;
   int order_row_len = 0;
   unsigned long long* report = nullptr;  // [kNumInputChecks], written by run_input_checks
+  // Where run_input_checks publishes the finished report for the host: pinned host memory, as the
+  // device addresses it (unified addressing). Null: the caller copies `report` back itself.
+  unsigned long long* host_report = nullptr;
 };
 
 // Launchers: enqueue on `stream`, never synchronise, return the launch error (if any).

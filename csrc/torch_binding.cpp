@@ -602,9 +602,10 @@ cosa::PagedLayout make_layout(const Sizes& s, const OpArgs& a, int64_t max_seqle
 }
 
 // The contents of the index tensors, checked on the device: one kernel pass (csrc/checks/) writes a
-// report of kNumInputChecks integers, and an asynchronous copy brings it to pinned host memory. The
+// report of kNumInputChecks integers and publishes it in pinned host memory (a kernel writing
+// through unified addressing; an asynchronous copy where the memory has no device address). The
 // caller enqueues its kernels right behind (they carry the report in PagedLayout::input_report and
-// do nothing unless every check passed), and only then waits for the copy (finish_device_checks):
+// do nothing unless every check passed), and only then waits for the report (finish_device_checks):
 // the GPU goes on from the checks to the kernels while the host reads the report. Only when a
 // check failed are the tensors copied to the host, where the contract's own checks
 // (check_lengths_data, check_lists_data) find the failure and word it, so that the message is the
@@ -614,12 +615,16 @@ cosa::PagedLayout make_layout(const Sizes& s, const OpArgs& a, int64_t max_seqle
 struct PendingDeviceChecks {
   at::Tensor report;       // [kNumInputChecks] on the device
   at::Tensor host_report;  // its pinned host copy
-  cudaEvent_t copied = nullptr;  // recorded after the copy; null: no checks ran
+  cudaEvent_t copied = nullptr;  // recorded once the report is published; null: no checks ran
   PendingDeviceChecks() = default;
   PendingDeviceChecks(const PendingDeviceChecks&) = delete;
   PendingDeviceChecks& operator=(const PendingDeviceChecks&) = delete;
   ~PendingDeviceChecks() {
-    if (copied != nullptr) cudaEventDestroy(copied);
+    if (copied == nullptr) return;
+    // On an error path the host may leave before finish_device_checks: the device must be done
+    // writing host_report before its pinned block can go back to torch's cache for reuse.
+    cudaEventSynchronize(copied);
+    cudaEventDestroy(copied);
   }
 };
 
@@ -632,19 +637,31 @@ void enqueue_device_checks(const OpArgs& a, cosa::PagedLayout& layout, PendingDe
   params.layout = layout;
   params.check_max_seqlen_k = a.max_seqlen_k.has_value();
   params.report = reinterpret_cast<unsigned long long*>(pending.report.mutable_data_ptr<int64_t>());
+  pending.host_report =
+      at::empty({cosa::kNumInputChecks}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  void* host_report_on_device = nullptr;
+  if (cudaHostGetDevicePointer(&host_report_on_device, pending.host_report.mutable_data_ptr(), 0) == cudaSuccess) {
+    params.host_report = static_cast<unsigned long long*>(host_report_on_device);
+  } else {
+    (void)cudaGetLastError();  // not addressable from the device: copied below instead
+  }
   if (a.order) {
     params.order = a.order->const_data_ptr<int32_t>();
     params.counts = a.counts->const_data_ptr<int32_t>();
     params.order_row_len = static_cast<int>(a.order->size(2));
   }
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&pending.copied, cudaEventDisableTiming));
   const cudaError_t error = cosa::run_input_checks(params, stream);
+  // Recorded before the launch error is raised, so that pending's destructor waits for whatever
+  // was enqueued to write host_report.
+  const cudaError_t recorded = cudaEventRecord(pending.copied, stream);
   TORCH_CHECK(error == cudaSuccess, message("cosa.", a.op, ": the input checks failed to launch: ",
                                             cudaGetErrorString(error)));
-  pending.host_report =
-      at::empty({cosa::kNumInputChecks}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  pending.host_report.copy_(pending.report, /*non_blocking=*/true);
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&pending.copied, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaEventRecord(pending.copied, stream));
+  C10_CUDA_CHECK(recorded);
+  if (params.host_report == nullptr) {
+    pending.host_report.copy_(pending.report, /*non_blocking=*/true);
+    C10_CUDA_CHECK(cudaEventRecord(pending.copied, stream));
+  }
   layout.input_report = reinterpret_cast<const unsigned long long*>(pending.report.const_data_ptr<int64_t>());
 }
 

@@ -69,6 +69,13 @@ __global__ void check_lists(InputCheckParams p) {
   }
 }
 
+// The finished report written straight into the host's pinned memory: a one-thread-per-word kernel
+// right behind the checks, where a copy on the stream adds the copy engine's hand-offs before and
+// after it (7-17 us a call with the gaps around it on the H200, against the checks' own 2 us).
+__global__ void publish_report(const unsigned long long* report, unsigned long long* host_report) {
+  if (threadIdx.x < kNumInputChecks) host_report[threadIdx.x] = report[threadIdx.x];
+}
+
 }  // namespace
 
 cudaError_t run_input_checks(const InputCheckParams& params, cudaStream_t stream) {
@@ -83,6 +90,7 @@ cudaError_t run_input_checks(const InputCheckParams& params, cudaStream_t stream
       check_lists<<<static_cast<unsigned>(ctas), kWarpsPerCta * 32, 0, stream>>>(params);
     }
   }
+  if (params.host_report != nullptr) publish_report<<<1, 32, 0, stream>>>(params.report, params.host_report);
   return cudaGetLastError();
 }
 
