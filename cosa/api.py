@@ -43,7 +43,7 @@ def set_device_checks(enabled: bool):
     """Turn the CUDA ops' checks of index-tensor contents on or off for the calling thread.
 
     With them on (the default), every eager CUDA call checks ``cu_seqlens_q``, ``seqused_k``,
-    ``page_table`` and (for ``osk``) ``order``/``counts`` against the layout contract with two small
+    ``page_table`` and (for ``osk``) ``order``/``counts`` against the layout contract with a few small
     kernels and one host synchronisation, so that bad contents raise a clear error instead of
     reading out of bounds (the op's kernels are enqueued behind the checks and do nothing if one
     failed, so the host waits for the checks' report while the GPU goes on). Turn them off where
