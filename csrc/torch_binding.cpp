@@ -614,17 +614,17 @@ cosa::PagedLayout make_layout(const Sizes& s, const OpArgs& a, int64_t max_seqle
 // device checks are off.
 struct PendingDeviceChecks {
   at::Tensor report;       // [kNumInputChecks] on the device
-  at::Tensor host_report;  // its pinned host copy
-  cudaEvent_t copied = nullptr;  // recorded once the report is published; null: no checks ran
+  at::Tensor host_report;  // pinned host memory the report is published into
+  cudaEvent_t published = nullptr;  // recorded once the report is in host_report; null: no checks ran
   PendingDeviceChecks() = default;
   PendingDeviceChecks(const PendingDeviceChecks&) = delete;
   PendingDeviceChecks& operator=(const PendingDeviceChecks&) = delete;
   ~PendingDeviceChecks() {
-    if (copied == nullptr) return;
+    if (published == nullptr) return;
     // On an error path the host may leave before finish_device_checks: the device must be done
     // writing host_report before its pinned block can go back to torch's cache for reuse.
-    cudaEventSynchronize(copied);
-    cudaEventDestroy(copied);
+    cudaEventSynchronize(published);
+    cudaEventDestroy(published);
   }
 };
 
@@ -650,27 +650,27 @@ void enqueue_device_checks(const OpArgs& a, cosa::PagedLayout& layout, PendingDe
     params.counts = a.counts->const_data_ptr<int32_t>();
     params.order_row_len = static_cast<int>(a.order->size(2));
   }
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&pending.copied, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&pending.published, cudaEventDisableTiming));
   const cudaError_t error = cosa::run_input_checks(params, stream);
   // Recorded before the launch error is raised, so that pending's destructor waits for whatever
   // was enqueued to write host_report.
-  const cudaError_t recorded = cudaEventRecord(pending.copied, stream);
+  const cudaError_t recorded = cudaEventRecord(pending.published, stream);
   TORCH_CHECK(error == cudaSuccess, message("cosa.", a.op, ": the input checks failed to launch: ",
                                             cudaGetErrorString(error)));
   C10_CUDA_CHECK(recorded);
   if (params.host_report == nullptr) {
     pending.host_report.copy_(pending.report, /*non_blocking=*/true);
-    C10_CUDA_CHECK(cudaEventRecord(pending.copied, stream));
+    C10_CUDA_CHECK(cudaEventRecord(pending.published, stream));
   }
   layout.input_report = reinterpret_cast<const unsigned long long*>(pending.report.const_data_ptr<int64_t>());
 }
 
 void finish_device_checks(const OpArgs& a, const Sizes& s, const PendingDeviceChecks& pending) {
-  if (pending.copied == nullptr) return;
+  if (pending.published == nullptr) return;
   // The one host synchronisation: it waits for the report, not for the kernels enqueued behind it.
   // Announced to torch's sync debug mode (torch.cuda.set_sync_debug_mode), as its own waits are.
   c10::cuda::warn_or_error_on_sync();
-  C10_CUDA_CHECK(cudaEventSynchronize(pending.copied));
+  C10_CUDA_CHECK(cudaEventSynchronize(pending.published));
   const auto* keys = reinterpret_cast<const uint64_t*>(pending.host_report.const_data_ptr<int64_t>());
   constexpr uint64_t kPassed = ~uint64_t{0};
   if (std::all_of(keys, keys + cosa::kNumInputChecks, [](uint64_t k) { return k == kPassed; })) return;
