@@ -652,16 +652,15 @@ void enqueue_device_checks(const OpArgs& a, cosa::PagedLayout& layout, PendingDe
   }
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&pending.published, cudaEventDisableTiming));
   const cudaError_t error = cosa::run_input_checks(params, stream);
+  if (error == cudaSuccess && params.host_report == nullptr) {
+    pending.host_report.copy_(pending.report, /*non_blocking=*/true);
+  }
   // Recorded before the launch error is raised, so that pending's destructor waits for whatever
-  // was enqueued to write host_report.
+  // was enqueued to write host_report (the publish kernel, or the copy).
   const cudaError_t recorded = cudaEventRecord(pending.published, stream);
   TORCH_CHECK(error == cudaSuccess, message("cosa.", a.op, ": the input checks failed to launch: ",
                                             cudaGetErrorString(error)));
   C10_CUDA_CHECK(recorded);
-  if (params.host_report == nullptr) {
-    pending.host_report.copy_(pending.report, /*non_blocking=*/true);
-    C10_CUDA_CHECK(cudaEventRecord(pending.published, stream));
-  }
   layout.input_report = reinterpret_cast<const unsigned long long*>(pending.report.const_data_ptr<int64_t>());
 }
 
