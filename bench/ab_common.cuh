@@ -54,9 +54,9 @@ struct Harness {
     for (const Variant& variant : variants) labels.push_back(variant.label);
     CUDA_CHECK(cudaStreamCreate(&stream));
     std::printf("%-18s", "case");
-    for (const char* label : labels) std::printf(" %20s", label);
-    std::printf("   (median ms and ratio to %s; spread = slowest / fastest round of %s)\n", labels[0],
-                labels[0]);
+    for (size_t v = 0; v < labels.size(); ++v) std::printf(v ? " %30s" : " %16s", labels[v]);
+    std::printf("   (median ms; median of the per-round ratios to %s [quartiles]; spread = slowest /"
+                " fastest round of %s)\n", labels[0], labels[0]);
   }
   bool selects(const char* case_name) const { return std::strstr(case_name, case_filter) != nullptr; }
 };
@@ -122,8 +122,13 @@ inline float median(std::vector<float> values) {
 
 // Times run(v) for every variant v: warm-up calls alternating over the variants, then `rounds`
 // interleaved rounds of kTimed CUDA-event timings each, so that clock drift reaches every variant
-// alike. Prints one "ROW" line per variant for bench/kernel_ab.py and the case's table line;
-// `mismatches[v]` counts the output elements where variant v differs from variant 0.
+// alike. Round r starts at variant r % num_variants, so that each variant follows every other one
+// equally often: the GPU's clock and temperature after a long or a short kernel otherwise favour
+// whichever variant runs next. A variant's ratio is the median over the rounds of its time over the
+// baseline's time in the same round (paired, so that drift between rounds cancels), with the
+// quartiles of those per-round ratios beside it. Prints one "ROW" line per variant for
+// bench/kernel_ab.py and the case's table line; `mismatches[v]` counts the output elements where
+// variant v differs from variant 0.
 template <class Run>
 void time_and_report(const char* case_name, const std::vector<const char*>& labels, int rounds,
                      cudaStream_t stream, const std::vector<long long>& mismatches, Run run) {
@@ -133,9 +138,10 @@ void time_and_report(const char* case_name, const std::vector<const char*>& labe
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));
   for (int w = 0; w < kWarmup; ++w) run(w % num_variants);
-  std::vector<std::vector<float>> round_ms(num_variants);
+  std::vector<std::vector<float>> round_ms(num_variants, std::vector<float>(rounds));
   for (int r = 0; r < rounds; ++r) {
-    for (int v = 0; v < num_variants; ++v) {
+    for (int i = 0; i < num_variants; ++i) {
+      const int v = (r + i) % num_variants;
       std::vector<float> times;
       for (int t = 0; t < kTimed; ++t) {
         CUDA_CHECK(cudaEventRecord(start, stream));
@@ -146,19 +152,33 @@ void time_and_report(const char* case_name, const std::vector<const char*>& labe
         CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
         times.push_back(ms);
       }
-      round_ms[v].push_back(median(times));
+      round_ms[v][r] = median(times);
     }
   }
-  const float base = median(round_ms[0]);
+  struct Ratio {
+    float median, q1, q3;
+  };
+  std::vector<Ratio> ratios(num_variants);
   for (int v = 0; v < num_variants; ++v) {
-    std::printf("ROW case=%s variant=%s ms=%.4f ratio=%.4f mismatches=%lld rounds=", case_name, labels[v],
-                median(round_ms[v]), median(round_ms[v]) / base, mismatches[v]);
+    std::vector<float> paired(rounds);
+    for (int r = 0; r < rounds; ++r) paired[r] = round_ms[v][r] / round_ms[0][r];
+    std::sort(paired.begin(), paired.end());
+    ratios[v] = {median(paired), paired[(rounds - 1) / 4], paired[rounds - 1 - (rounds - 1) / 4]};
+  }
+  for (int v = 0; v < num_variants; ++v) {
+    std::printf("ROW case=%s variant=%s ms=%.4f ratio=%.4f q1=%.4f q3=%.4f mismatches=%lld rounds=", case_name,
+                labels[v], median(round_ms[v]), ratios[v].median, ratios[v].q1, ratios[v].q3, mismatches[v]);
     for (int r = 0; r < rounds; ++r) std::printf("%s%.4f", r ? "," : "", round_ms[v][r]);
     std::printf("\n");
   }
   std::printf("%-18s", case_name);
   for (int v = 0; v < num_variants; ++v) {
-    std::printf(" %9.3f %5.3f%s", median(round_ms[v]), median(round_ms[v]) / base, mismatches[v] ? "!" : " ");
+    if (v == 0) {
+      std::printf(" %9.3f %5.3f%s", median(round_ms[v]), 1.f, mismatches[v] ? "!" : " ");
+    } else {
+      std::printf(" %9.3f %5.3f%s [%5.3f %5.3f]", median(round_ms[v]), ratios[v].median,
+                  mismatches[v] ? "!" : " ", ratios[v].q1, ratios[v].q3);
+    }
   }
   const auto bounds = std::minmax_element(round_ms[0].begin(), round_ms[0].end());
   std::printf("   spread %.3f\n", *bounds.second / *bounds.first);

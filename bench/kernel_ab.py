@@ -17,8 +17,10 @@ synthetic inputs, d 128, pages shuffled:
   and 32K. Each tree's lists (order and counts) are compared entry by entry with the baseline's.
 
 A change that keeps the arithmetic must match bit for bit; times are medians of CUDA-event timings in
-``--rounds`` interleaved rounds, and the spread of the baseline's rounds says how large a difference
-is noise.
+``--rounds`` interleaved rounds (each round starting at the next tree, so that no tree always runs
+right after the same other one). A tree's ratio is the median over the rounds of its time over the
+baseline's in the same round, printed with the quartiles of those per-round ratios: a difference
+whose quartiles straddle 1 is noise.
 
 Building needs nvcc and the CUTLASS headers (``CUTLASS_DIR`` or the nvidia-cutlass package), not a
 GPU: ``--build-only`` on a machine with the repository's history, then ``--run-only`` where the GPU
@@ -62,7 +64,8 @@ def labels_path(kernel: str) -> Path:
     return build_dir(kernel) / "labels.json"
 
 
-ROW = re.compile(r"^ROW case=(\S+) variant=(\S+) ms=(\S+) ratio=(\S+) mismatches=(\d+) rounds=(\S+)$")
+ROW = re.compile(r"^ROW case=(\S+) variant=(\S+) ms=(\S+) ratio=(\S+) q1=(\S+) q3=(\S+) mismatches=(\d+) "
+                 r"rounds=(\S+)$")
 
 
 def fail(message: str) -> None:
@@ -193,9 +196,10 @@ def run(kernel: str, rounds: int, cases: str, out_dir: str) -> int:
             if match is None:
                 print(line, end="", flush=True)
                 continue
-            case, label, ms, ratio, mismatches, per_round = match.groups()
+            case, label, ms, ratio, q1, q3, mismatches, per_round = match.groups()
             rows.append({"case": case, "variant": label, "rev": built["revs"][built["labels"].index(label)],
-                         "ms": float(ms), "ratio": float(ratio), "mismatched_elements": int(mismatches),
+                         "ms": float(ms), "ratio": float(ratio), "ratio_quartiles": [float(q1), float(q3)],
+                         "mismatched_elements": int(mismatches),
                          "rounds_ms": [float(x) for x in per_round.split(",")]})
     write_json(json_path, {**meta, "config": {"kernel": kernel, "revs": built["revs"], "labels": built["labels"],
                                               "rounds": rounds, "cases": cases or "all"}, "rows": rows})

@@ -69,9 +69,11 @@ def test_ptxas_report_summarises_kap_scoring_kernels_and_names_other_spills():
 
 
 def test_row_lines_parse():
-    line = "ROW case=random-25%-16K variant=osk_tree_max ms=1.0800 ratio=0.9700 mismatches=0 rounds=1.1,1.08,1.07"
-    case, label, ms, ratio, mismatches, rounds = kernel_ab.ROW.match(line).groups()
-    assert (case, label, float(ms), float(ratio), int(mismatches)) == ("random-25%-16K", "osk_tree_max", 1.08, 0.97, 0)
+    line = ("ROW case=random-25%-16K variant=osk_tree_max ms=1.0800 ratio=0.9700 q1=0.9600 q3=0.9900 mismatches=0 "
+            "rounds=1.1,1.08,1.07")
+    case, label, ms, ratio, q1, q3, mismatches, rounds = kernel_ab.ROW.match(line).groups()
+    assert (case, label, float(ms), float(ratio), float(q1), float(q3), int(mismatches)) == (
+        "random-25%-16K", "osk_tree_max", 1.08, 0.97, 0.96, 0.99, 0)
     assert [float(x) for x in rounds.split(",")] == [1.1, 1.08, 1.07]
 
 
