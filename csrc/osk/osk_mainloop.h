@@ -365,19 +365,22 @@ struct OskMainloop {
 
       // Rows past Lq are not masked: they never vote and are never stored.
       if constexpr (kMasked) { mask.apply(tSrS, block, kBlockN, lane); }
-      float block_max[2];
-      float new_max[2];
-      OnlineSoftmax::block_max(tSrS, block_max);
-      CUTE_UNROLL
-      for (int rh = 0; rh < 2; ++rh) { new_max[rh] = fmaxf(softmax.max[rh], block_max[rh]); }
+      // The vote needs no row maximum: a row skips iff m_loc - max(m_old, m_loc) < tau, and that
+      // holds iff it holds for each thread's maximum over its own columns in place of m_loc (the
+      // thread holding m_loc decides it; the others' maxima are no larger, and the subtraction is
+      // monotone). The barrier ANDs the threads' verdicts, so the quad's shuffles wait until a
+      // block is known to be computed.
+      float thread_maxima[2];
+      OnlineSoftmax::thread_max(tSrS, thread_maxima);
 
       // The vote: skip iff every live row of the voters says m_loc - m_new < tau.
       if (skip_enabled && k > 0) {
         bool rows_skip = true;
         CUTE_UNROLL
         for (int rh = 0; rh < 2; ++rh) {
-          rows_skip = rows_skip && (!row_live[rh] || block_max[rh] == -INFINITY ||
-                                    block_max[rh] - new_max[rh] < tau_raw);
+          const float p = thread_maxima[rh];
+          rows_skip = rows_skip && (!row_live[rh] || p == -INFINITY ||
+                                    p - fmaxf(softmax.max[rh], p) < tau_raw);
         }
         if (vote.decide(rows_skip)) {
           // No exp, no row sum, no rescale, no P V; the V stage is still waited for and released
@@ -390,6 +393,12 @@ struct OskMainloop {
           return false;
         }
       }
+
+      float block_max[2];
+      float new_max[2];
+      OnlineSoftmax::quad_max(thread_maxima, block_max);
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh) { new_max[rh] = fmaxf(softmax.max[rh], block_max[rh]); }
 
       float rescale[2];
       softmax.update(tSrS, new_max, kp.scale_log2, rescale);

@@ -45,33 +45,50 @@ struct TileMask {
 // Online softmax state of a thread's two rows, in raw-logit units (scaled by softmax_scale *
 // log2(e) only inside the exponent). Sums are partial (this thread's columns) until finalised.
 struct OnlineSoftmax {
-  // Independent accumulators per row for the row max and the row sum: a 32-long chain of
-  // dependent instructions per row would sit on the critical path between S and P V.
+  // Independent accumulators per row for the row sum: a 32-long chain of dependent additions per
+  // row would sit on the critical path between S and P V.
   static constexpr int kChains = 4;
-  static_assert(kChains == 4, "block_max() and update() combine exactly four partials per row");
+  static_assert(kChains == 4, "update() combines exactly four partials per row");
 
   float max[2] = {-INFINITY, -INFINITY};
   float sum[2] = {0.f, 0.f};
 
-  // Each row's maximum over this block (-inf where every key is masked), reduced over the quad of
-  // threads that share the row.
+  // Each row's maximum over this thread's columns of the block (-inf where all of them are masked),
+  // as a pairwise tree (depth 5 per row instead of chains of 8): on a skipped block the maxima
+  // sit on the warpgroup's path to its next S. The -inf seed at the root keeps a column set that is
+  // all NaN at -inf, as fmaxf chains seeded with -inf leave it.
   template <class FragS>
-  __device__ static void block_max(const FragS& tSrS, float (&out)[2]) {
-    float partial[2][kChains];
+  __device__ static void thread_max(const FragS& tSrS, float (&out)[2]) {
+    constexpr int kPerRow = decltype(cute::size(tSrS))::value / 2;
+    float level[2][kPerRow];
+    CUTE_UNROLL
+    for (int v = 0; v < cute::size(tSrS); ++v) {
+      // Register v is element (v >> 2) * 2 + (v & 1) of its row half.
+      level[AccumulatorLayout::row_half(v)][(v >> 2) * 2 + (v & 1)] = tSrS(v);
+    }
+    static_assert(kPerRow == 32, "the tree below has five levels");
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       CUTE_UNROLL
-      for (int c = 0; c < kChains; ++c) { partial[rh][c] = -INFINITY; }
+      for (int i = 0; i < 16; ++i) { level[rh][i] = fmaxf(level[rh][i], level[rh][i + 16]); }
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) { level[rh][i] = fmaxf(level[rh][i], level[rh][i + 8]); }
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) { level[rh][i] = fmaxf(level[rh][i], level[rh][i + 4]); }
+      CUTE_UNROLL
+      for (int i = 0; i < 2; ++i) { level[rh][i] = fmaxf(level[rh][i], level[rh][i + 2]); }
+      level[rh][0] = fmaxf(level[rh][0], level[rh][1]);
     }
     CUTE_UNROLL
-    for (int v = 0; v < cute::size(tSrS); ++v) {
-      const int rh = AccumulatorLayout::row_half(v);
-      partial[rh][(v >> 2) % kChains] = fmaxf(partial[rh][(v >> 2) % kChains], tSrS(v));
-    }
+    for (int rh = 0; rh < 2; ++rh) { out[rh] = fmaxf(level[rh][0], -INFINITY); }
+  }
+
+  // Each row's maximum over the whole block: thread_max() reduced over the quad of threads that
+  // share the row.
+  __device__ static void quad_max(const float (&thread_maxima)[2], float (&out)[2]) {
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      float m = fmaxf(fmaxf(partial[rh][0], partial[rh][1]), fmaxf(partial[rh][2], partial[rh][3]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      const float m = fmaxf(thread_maxima[rh], __shfl_xor_sync(0xffffffffu, thread_maxima[rh], 1));
       out[rh] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
     }
   }
