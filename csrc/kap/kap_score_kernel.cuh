@@ -291,7 +291,35 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   // The epilogue of one column tile: per row and key block, the max over the allowed columns
   // c <= r + P/s, scaled, into bm, and the row's best into rm. kMasked: whether the tile reaches
   // past a row's causal limit, so that each column must be tested.
-  auto reduce_tile_to_block_maxima = [&](int col0, auto masked) {
+  // The e4m3 scales a tile's epilogue multiplies by: the key blocks 4q + (lane & 3) of this
+  // lane's quad and the query blocks of its two rows. The TMA kernels load them while the tile's
+  // last MMAs run, so that their latency is off the epilogue's path; the gathering ones (d = 64)
+  // where each is used, since holding them through the wait would spill. Past max_k_blocks (a
+  // tile reaching beyond the sequence's keys) the index is clamped: those blocks have no allowed
+  // column.
+  auto key_scale = [&](int col0, int q) {
+    const int key_block = min(col0 / kRowsPerBlock + 4 * q + (lane & 3), L.max_k_blocks - 1);
+    return __ldg(args.k_scale +
+                 (static_cast<int64_t>(b) * L.max_k_blocks + key_block) * L.num_heads_kv + kv_head);
+  };
+  auto query_scale = [&](int half) {
+    const int r = min(row0 + row_in_tile + 8 * half, num_rows - 1);
+    return __ldg(args.q_scale + (first_row + r) / kRowsPerBlock * L.num_heads_q + head);
+  };
+  struct TileScales {
+    float key[kGroups / 4];
+    float row[2];
+  };
+  auto load_tile_scales = [&](int col0) {
+    TileScales scales;
+#pragma unroll
+    for (int q = 0; q < kGroups / 4; ++q) scales.key[q] = key_scale(col0, q);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) scales.row[half] = query_scale(half);
+    return scales;
+  };
+
+  auto reduce_tile_to_block_maxima = [&](int col0, const TileScales& scales, auto masked) {
     constexpr bool kMasked = decltype(masked)::value;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -334,13 +362,10 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
         // Each reduction step above combined one key block across lanes, so the lane's blocks
         // 4q + (lane & 3) take their scales now (> 0: a block's max times its scale is the max of
         // its scaled logits). Blocks past Lk have no scale, and no allowed column either.
-        const float* k_scale_row =
-            args.k_scale + static_cast<int64_t>(b) * L.max_k_blocks * L.num_heads_kv + kv_head;
 #pragma unroll
         for (int q = 0; q < kGroups / 4; ++q) {
-          const int key_block = col0 / kRowsPerBlock + 4 * q + (lane & 3);
           if (quad_max[q] != -INFINITY) {
-            quad_max[q] *= __ldg(k_scale_row + static_cast<int64_t>(key_block) * L.num_heads_kv);
+            quad_max[q] *= kTmaLoads ? scales.key[q] : key_scale(col0, q);
           }
         }
       }
@@ -349,14 +374,9 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
       for (int q = 0; q < kGroups / 4; ++q) row_best = fmaxf(row_best, quad_max[q]);
       row_best = fmaxf(row_best, __shfl_xor_sync(0xffffffffu, row_best, 1));
       row_best = fmaxf(row_best, __shfl_xor_sync(0xffffffffu, row_best, 2));
-      // The row's logits scale: sigma / s, times (e4m3) its query block's scale. Loaded here, not
-      // held through the main loop, which leaves the 256-column tile within the register file.
+      // The row's logits scale: sigma / s, times (e4m3) its query block's scale.
       float row_scale = logit_scale;
-      if constexpr (kE4M3) {
-        if (r < num_rows) {
-          row_scale *= __ldg(args.q_scale + (first_row + r) / kRowsPerBlock * L.num_heads_q + head);
-        }
-      }
+      if constexpr (kE4M3) { row_scale *= kTmaLoads ? scales.row[half] : query_scale(half); }
       if (r < num_rows) {
         float* out_row = block_max_head + (first_row + r) * L.max_k_blocks + col0 / kRowsPerBlock;
 #pragma unroll
@@ -399,6 +419,10 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
       if constexpr (kTmaLoads) release_through(step - 1);
       continue;
     }
+    const int col_tile = col_tile_begin + step / kSteps;
+    const int col0 = col_tile * kTileCols;
+    TileScales scales;
+    if constexpr (kTmaLoads) { scales = load_tile_scales(col0); }
     wgmma_wait<0>();
     wgmma_fence_operands(acc);
     if constexpr (kTmaLoads) {
@@ -410,12 +434,10 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     // reach past a row's causal limit (the last one or two of a row tile) test each column; the
     // others take a path without the per-column compare and select (12% fewer instructions in
     // the whole kernel at 32K tokens).
-    const int col_tile = col_tile_begin + step / kSteps;
-    const int col0 = col_tile * kTileCols;
     if (col0 + kTileCols - 1 > row0 + prefix_cols) {
-      reduce_tile_to_block_maxima(col0, std::true_type{});
+      reduce_tile_to_block_maxima(col0, scales, std::true_type{});
     } else {
-      reduce_tile_to_block_maxima(col0, std::false_type{});
+      reduce_tile_to_block_maxima(col0, scales, std::false_type{});
     }
   }
   if constexpr (!kTmaLoads) cp_async_wait<0>();
