@@ -55,6 +55,8 @@ static const Case kCases[] = {
     {"random-50%-16K", 16384, 128, 0.5, 0.f}, {"random-25%-16K", 16384, 128, 0.25, 0.f},
     {"random-25%-32K", 32768, 128, 0.25, 0.f}, {"dense-page16-16K", 16384, 16, 1.0, 0.f},
     {"skip-none-16K", 16384, 128, 1.0, 1e-30f}, {"skip-all-16K", 16384, 128, 1.0, 2000.f, true},
+    // Block 0 and the diagonal alone: what a tile costs beyond its blocks.
+    {"sink-diagonal-16K", 16384, 128, 0.0, 0.f},
 };
 
 int main(int argc, char** argv) {

@@ -228,9 +228,10 @@ struct OskMainloop {
         args.order + (static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row) *
                          layout.max_k_blocks;
 
-    // The list is read 32 entries per warp load, and the pages of entry k+1 are looked up in the
-    // page table while entry k's copies go out, so that no copy waits on a page-table read.
-    int list_window = list[lane < t.count ? lane : 0];
+    // The list is read 32 entries per warp load (the first 32 by the tile scheduler), and the
+    // pages of entry k+1 are looked up in the page table while entry k's copies go out, so that
+    // no copy waits on a page-table read.
+    int list_window = t.first_entries;
     int block = __shfl_sync(0xffffffffu, list_window, 0);
     int page = lane_page(kp, t, block, lane);
     for (int k = 0; k < t.count; ++k) {
@@ -418,7 +419,7 @@ struct OskMainloop {
       return true;
     };
     // The list entry of the next step is read one step ahead: which version runs depends on it.
-    int next_block = __ldg(list);
+    int next_block = warp_uniform(t.first_entries);
     auto run_step = [&](int k, auto pv_pending_tag) -> bool {
       const int block = next_block;
       if (k + 1 < t.count) { next_block = __ldg(list + k + 1); }

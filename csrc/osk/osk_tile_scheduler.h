@@ -36,6 +36,9 @@ struct OskTile {
   int seqlen_k = 0;      // Lk_b
   int diagonal = 0;      // key block aligned with query block i: P_b / 128 + i
   int count = 0;         // counts[h, g]
+  // The list's first 32 entries, lane l holding entry l (entries past the count are whatever
+  // the row holds there, and unused).
+  int first_entries = -1;
   bool valid = false;    // false for padding rows past the batch's real number of query blocks
 };
 
@@ -58,9 +61,18 @@ struct OskTileScheduler {
     t.row = layout.num_q_blocks - 1 - linear / layout.num_heads_q;
     t.head_kv = t.head / kp.heads_per_kv;
     // KAP's output when OSK follows it: read only past the kernel's grid-dependency wait, and
-    // before the lookup below, which it does not depend on, so that the two loads overlap (a
-    // padding row's count is read but not used).
-    const int count = kp.args.counts[static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row];
+    // before the lookup below, which it does not depend on, so that the loads overlap (a padding
+    // row's count and entries are read but not used). The entries are read before the count is
+    // known, so that the producer's first page lookup does not wait for the count and then for
+    // the list in turn: lane l reads entry l where the row has one (rows may be empty when no
+    // sequence has keys).
+    const int64_t list_row = static_cast<int64_t>(t.head) * layout.num_q_blocks + t.row;
+    const int count = kp.args.counts[list_row];
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const int first_entries =
+        layout.max_k_blocks > 0
+            ? kp.args.order[list_row * layout.max_k_blocks + (lane < layout.max_k_blocks ? lane : 0)]
+            : -1;
     // Every thread of the CTA calls this with the same tile, so each warp locates it together.
     const QueryBlock block = locate_query_block(layout, t.row);
     if (!block.valid) return t;
@@ -71,6 +83,7 @@ struct OskTileScheduler {
     t.seqlen_k = block.seqlen_k;
     t.diagonal = block.diagonal;
     t.count = count;
+    t.first_entries = first_entries;
     t.valid = true;
     return t;
   }
