@@ -49,6 +49,9 @@ static const Case kCases[] = {
     {"fp8-32K", 32768, 32, 8, cosa::ProxyPrecision::kE4M3},
     {"fp8-128K", 131072, 32, 8, cosa::ProxyPrecision::kE4M3},
     {"fp8-32K-6-per-kv", 32768, 24, 4, cosa::ProxyPrecision::kE4M3},
+    {"fp8-16K", 16384, 32, 8, cosa::ProxyPrecision::kE4M3},
+    // The attention shape of Qwen2.5-1.5B (12 query heads, 2 KV heads).
+    {"fp8-32K-12q-2kv", 32768, 12, 2, cosa::ProxyPrecision::kE4M3},
     {"native-8K", 8192, 32, 8, cosa::ProxyPrecision::kNative},
     {"native-32K", 32768, 32, 8, cosa::ProxyPrecision::kNative},
 };

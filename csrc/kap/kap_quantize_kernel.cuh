@@ -36,9 +36,9 @@ __device__ __forceinline__ float2 to_float2<__half>(const __half* pair) {
 }
 
 constexpr int kRangeThreads = 128;
-constexpr int kRangeKeyBlocks = 4;  // key blocks per range CTA
+constexpr int kRangeKeyBlocksMax = 4;  // key blocks per range CTA, at most
 
-// Grid: x over (sequence, group of kRangeKeyBlocks key blocks), y over KV heads. Each thread owns
+// Grid: x over (sequence, group of args.range_key_blocks key blocks), y over KV heads. Each thread owns
 // one 16-byte chunk (8 channels) of every (128 / chunks per row)-th key; per key block all of its
 // loads are issued before any is folded, so that the CTA has a whole block in flight (with fewer
 // bytes in flight the pass is bound by memory latency, not bandwidth). Finite values fold into
@@ -61,12 +61,13 @@ __global__ void __launch_bounds__(kRangeThreads)
   static_assert(32 % kChunks == 0, "a warp holds whole rows");
   static_assert(kHeadDim <= kRangeThreads, "one thread per channel folds the warps");
   const PagedLayout& L = args.layout;
-  const int groups_per_seq = (L.max_k_blocks + kRangeKeyBlocks - 1) / kRangeKeyBlocks;
+  const int blocks_per_cta = args.range_key_blocks;
+  const int groups_per_seq = (L.max_k_blocks + blocks_per_cta - 1) / blocks_per_cta;
   const int b = static_cast<int>(blockIdx.x) / groups_per_seq;
   const int group = static_cast<int>(blockIdx.x) % groups_per_seq;
   const int head = static_cast<int>(blockIdx.y);
   const int len_k = __ldg(L.seqused_k + b);
-  const int group_first = group * kRangeKeyBlocks * kBlockSize;
+  const int group_first = group * blocks_per_cta * kBlockSize;
   if (group_first >= len_k) return;
   const int tid = static_cast<int>(threadIdx.x);
   const int chunk = tid % kChunks;
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kRangeThreads)
     low[c] = INFINITY;
   }
 #pragma unroll 1
-  for (int first = group_first; first < min(len_k, group_first + kRangeKeyBlocks * kBlockSize);
+  for (int first = group_first; first < min(len_k, group_first + blocks_per_cta * kBlockSize);
        first += kBlockSize) {
     // The page numbers first, then the keys: issued in one loop, each key's load would wait for
     // its page number, one memory latency per pass.
