@@ -38,16 +38,19 @@ __device__ __forceinline__ float2 to_float2<__half>(const __half* pair) {
 constexpr int kRangeThreads = 128;
 constexpr int kRangeKeyBlocksMax = 4;  // key blocks per range CTA, at most
 
-// Grid: x over (sequence, group of args.range_key_blocks key blocks), y over KV heads. Each thread owns
-// one 16-byte chunk (8 channels) of every (128 / chunks per row)-th key; per key block all of its
+// Grid: x over (sequence, group of args.range_key_blocks key blocks: four, or fewer where four would
+// leave under two CTAs per SM), y over KV heads. Each thread owns one 16-byte chunk (8 channels) of
+// every (128 / chunks per row)-th key; per key block all of its
 // loads are issued before any is folded, so that the CTA has a whole block in flight (with fewer
 // bytes in flight the pass is bound by memory latency, not bandwidth). Finite values fold into
 // per-channel maxima and minima (NaN and infinities skipped), the warps' through shared memory;
 // then one thread per channel adds the CTA's range to the sequence's words as atomic maxima of
 // order-preserving bits, so that the range does not depend on the order of the CTAs (the index
 // kernel zeroed the words, and 0 lies below every float's bits). Atomics on the same words
-// serialise: with a CTA per key block and an atomic per warp and channel (sixteen times these)
-// the pass cost 0.23 ms of KAP at 32K tokens and 8 KV heads on an H200; this one about 0.03 ms.
+// serialise: with a CTA per key block and an atomic per warp and channel (sixteen times the
+// atomics of four-block CTAs) the pass cost 0.23 ms of KAP at 32K tokens and 8 KV heads on an
+// H200; this one about 0.03 ms. Where short contexts take fewer blocks per CTA, the count of atomics
+// per word stays that of 32K tokens.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kRangeThreads)
     kap_key_range_kernel(const KapDeviceArgs args) {
