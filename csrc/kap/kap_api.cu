@@ -259,7 +259,8 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
              ((layout.max_k_blocks + blocks_per_cta - 1) / blocks_per_cta);
     };
     args.range_key_blocks = kap::kRangeKeyBlocksMax;
-    while (args.range_key_blocks > 1 && range_ctas(args.range_key_blocks) < 2 * static_cast<int64_t>(num_sms)) {
+    while (args.range_key_blocks > 1 &&
+           range_ctas(args.range_key_blocks) < 2 * static_cast<int64_t>(num_sms)) {
       args.range_key_blocks /= 2;
     }
   }

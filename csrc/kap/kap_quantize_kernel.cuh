@@ -40,9 +40,9 @@ constexpr int kRangeKeyBlocksMax = 4;  // key blocks per range CTA, at most
 
 // Grid: x over (sequence, group of args.range_key_blocks key blocks: four, or fewer where four would
 // leave under two CTAs per SM), y over KV heads. Each thread owns one 16-byte chunk (8 channels) of
-// every (128 / chunks per row)-th key; per key block all of its
-// loads are issued before any is folded, so that the CTA has a whole block in flight (with fewer
-// bytes in flight the pass is bound by memory latency, not bandwidth). Finite values fold into
+// every (128 / chunks per row)-th key; per key block all of its loads are issued before any is
+// folded, so that the CTA has a whole block in flight (with fewer bytes in flight the pass is bound
+// by memory latency, not bandwidth). Finite values fold into
 // per-channel maxima and minima (NaN and infinities skipped), the warps' through shared memory;
 // then one thread per channel adds the CTA's range to the sequence's words as atomic maxima of
 // order-preserving bits, so that the range does not depend on the order of the CTAs (the index

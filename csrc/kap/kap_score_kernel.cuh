@@ -288,9 +288,6 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
 #pragma unroll
   for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.f;
 
-  // The epilogue of one column tile: per row and key block, the max over the allowed columns
-  // c <= r + P/s, scaled, into bm, and the row's best into rm. kMasked: whether the tile reaches
-  // past a row's causal limit, so that each column must be tested.
   // The e4m3 scales a tile's epilogue multiplies by: the key blocks 4q + (lane & 3) of this
   // lane's quad and the query blocks of its two rows. The TMA kernels load them while the tile's
   // last MMAs run, so that their latency is off the epilogue's path; the gathering ones (d = 64)
@@ -319,6 +316,9 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     return scales;
   };
 
+  // The epilogue of one column tile: per row and key block, the max over the allowed columns
+  // c <= r + P/s, scaled, into bm, and the row's best into rm. kMasked: whether the tile reaches
+  // past a row's causal limit, so that each column must be tested.
   auto reduce_tile_to_block_maxima = [&](int col0, const TileScales& scales, auto masked) {
     constexpr bool kMasked = decltype(masked)::value;
 #pragma unroll
