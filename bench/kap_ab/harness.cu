@@ -52,6 +52,9 @@ static const Case kCases[] = {
     {"fp8-16K", 16384, 32, 8, cosa::ProxyPrecision::kE4M3},
     // The attention shape of Qwen2.5-1.5B (12 query heads, 2 KV heads).
     {"fp8-32K-12q-2kv", 32768, 12, 2, cosa::ProxyPrecision::kE4M3},
+    // Both proxies at 4K and 8K: where the fp8 one starts to pay (proxy_precision "auto").
+    {"fp8-4K", 4096, 32, 8, cosa::ProxyPrecision::kE4M3},
+    {"native-4K", 4096, 32, 8, cosa::ProxyPrecision::kNative},
     {"native-8K", 8192, 32, 8, cosa::ProxyPrecision::kNative},
     {"native-32K", 32768, 32, 8, cosa::ProxyPrecision::kNative},
 };
