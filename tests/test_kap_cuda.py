@@ -343,23 +343,29 @@ def test_fp8_nan_poisons_its_block(ops):
     assert kept_set_iou(order, counts, ref_order, ref_counts) >= 0.99
 
 
-@pytest.mark.parametrize("d,page_size", [(128, 16), (64, 128)])
-def test_fp8_lists_do_not_move_with_a_key_offset_per_channel(ops, d, page_size):
+# The key-range pass gives a CTA 1, 2 or 4 key blocks, fewer where 4 would leave under two CTAs per
+# SM (kap_api.cu): with sequence 0's 40 key blocks, 2, 8 and 16 KV heads take 1, 2 and 4 blocks per
+# CTA on a 132-SM H200 (other GPUs may draw the lines elsewhere; every case must hold on any).
+@pytest.mark.parametrize("d,page_size,hkv,prefix_blocks",
+                         [(128, 16, 2, 4), (64, 128, 2, 4), (128, 128, 2, 34), (128, 128, 8, 34),
+                          (128, 64, 16, 34)])
+def test_fp8_lists_do_not_move_with_a_key_offset_per_channel(ops, d, page_size, hkv, prefix_blocks):
     """The kernel centres each sequence's keys per KV head and channel before the e4m3 quantisation
     (spec section 2), so an offset per (sequence, KV head, channel) leaves its lists bitwise as they
     were: values on a grid of 1/8 in float16, where adding the offset, the channel midpoints and the
-    centring are all exact. Uncentred, or centred with another sequence's or head's range, the
-    offset would change the e4m3 values."""
-    lens_q, lens_k = [700, 300], [700 + 4 * 128, 300]  # the cached prefix is a whole number of blocks
-    p = problem(lens_q, lens_k, hq=4, hkv=2, d=d, page_size=page_size, dtype=torch.float16, structure="needles",
-                seed=31)
+    centring are all exact. Uncentred, or centred with another sequence's or head's range (or with a
+    range that missed some of the sequence's key blocks), the offset would change the e4m3 values."""
+    # The cached prefix is a whole number of blocks.
+    lens_q, lens_k = [700, 300], [700 + prefix_blocks * 128, 300]
+    p = problem(lens_q, lens_k, hq=2 * hkv, hkv=hkv, d=d, page_size=page_size, dtype=torch.float16,
+                structure="needles", seed=31)
     p["q"] = (p["q"] * 8).round() / 8
     p["k_cache"] = ((p["k_cache"] * 8).round() / 8).clamp(-100, 100)
-    offset = torch.zeros(2, 2, d, device="cuda", dtype=torch.float16)  # (sequence, KV head, channel)
-    offset[0, 0, ::3] = 64.0
-    offset[0, 1, 1::4] = -96.0
-    offset[1, 0, 2::5] = -48.0
-    offset[1, 1, ::2] = 80.0
+    offset = torch.zeros(2, hkv, d, device="cuda", dtype=torch.float16)  # (sequence, KV head, channel)
+    for b in range(2):
+        for h in range(hkv):
+            # A different set of channels and value for every (sequence, KV head).
+            offset[b, h, (b + h) % 3::2 + (b + 2 * h) % 4] = (64.0, -96.0, -48.0, 80.0)[(2 * b + h) % 4]
     shifted_cache = p["k_cache"].clone()
     for b in range(2):
         pages = p["page_table"][b, : (lens_k[b] + page_size - 1) // page_size].long()
