@@ -45,7 +45,7 @@ struct PagedLayout {
   int num_heads_q = 0;
   int num_heads_kv = 0;  // num_heads_q % num_heads_kv == 0; q head h reads kv head h / (Hq/Hkv)
   int head_dim = 0;      // 64 or 128
-  int page_size = 0;     // power of two, 16..256
+  int page_size = 0;     // power of two, 16..256 (valid_page_size)
   int num_pages = 0;
   int max_pages_per_seq = 0;
   int total_q = 0;
@@ -61,6 +61,13 @@ struct PagedLayout {
   // does not wait for that round trip.
   const unsigned long long* input_report = nullptr;
 };
+
+// The page sizes the kernels run (their page arithmetic is shifts and masks): run_kap and run_osk
+// refuse others with cudaErrorInvalidValue. (The torch binding, which also builds without CUDA and
+// so without this header, spells the same test in its message about k_cache.)
+inline bool valid_page_size(int64_t page_size) {
+  return page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
+}
 
 // What KAP's proxy GEMM multiplies (spec section 2): q and k as given, or e4m3 copies of them with
 // one scale per 128-token block and head; kAuto: e4m3 where the longest key sequence has at least

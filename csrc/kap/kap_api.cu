@@ -210,6 +210,7 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   if (layout.head_dim != 64 && layout.head_dim != 128) return cudaErrorInvalidValue;
+  if (!valid_page_size(layout.page_size)) return cudaErrorInvalidValue;
   if (layout.num_q_blocks == 0 || layout.num_heads_q == 0) return cudaSuccess;
   if (kap::select_smem_bytes(layout.max_k_blocks) > 200 * 1024) return cudaErrorInvalidValue;
   const kap::WorkspaceLayout ws = kap::workspace_layout(params);

@@ -7,8 +7,7 @@ namespace cosa {
 
 cudaError_t run_osk(const OskParams& params, cudaStream_t stream) {
   const PagedLayout& layout = params.layout;
-  const int page_size = layout.page_size;
-  const bool page_size_ok = page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
+  const bool page_size_ok = valid_page_size(layout.page_size);
   const bool heads_ok = layout.num_heads_kv > 0 && layout.num_heads_q % layout.num_heads_kv == 0;
   if (!page_size_ok || !heads_ok || layout.batch <= 0 || !(layout.softmax_scale > 0.f)) {
     return cudaErrorInvalidValue;
