@@ -167,8 +167,7 @@ template <class Element, int kHeadDim>
 cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
   const PagedLayout& L = args.layout;
   const dim3 range_grid(
-      static_cast<unsigned>(L.batch *
-                            ((L.max_k_blocks + args.range_key_blocks - 1) / args.range_key_blocks)),
+      static_cast<unsigned>(L.batch * range_groups_per_seq(L.max_k_blocks, args.range_key_blocks)),
       static_cast<unsigned>(L.num_heads_kv));
   const cudaError_t err = launch_dependent(kap_key_range_kernel<Element, kHeadDim>, range_grid,
                                            dim3(kRangeThreads), 0, stream, args);
@@ -257,7 +256,7 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
     // CTAs per SM, so that short contexts do not run a few CTAs through several blocks in turn.
     auto range_ctas = [&](int blocks_per_cta) {
       return static_cast<int64_t>(layout.batch) * layout.num_heads_kv *
-             ((layout.max_k_blocks + blocks_per_cta - 1) / blocks_per_cta);
+             kap::range_groups_per_seq(layout.max_k_blocks, blocks_per_cta);
     };
     args.range_key_blocks = kap::kRangeKeyBlocksMax;
     while (args.range_key_blocks > 1 &&

@@ -38,6 +38,12 @@ __device__ __forceinline__ float2 to_float2<__half>(const __half* pair) {
 constexpr int kRangeThreads = 128;
 constexpr int kRangeKeyBlocksMax = 4;  // key blocks per range CTA, at most
 
+// Key-range CTAs per sequence and KV head (grid x = batch times this): the one mapping that the
+// launch, its sizing and the kernel share.
+__host__ __device__ __forceinline__ int range_groups_per_seq(int max_k_blocks, int blocks_per_cta) {
+  return (max_k_blocks + blocks_per_cta - 1) / blocks_per_cta;
+}
+
 // Grid: x over (sequence, group of args.range_key_blocks key blocks: four, or fewer where four would
 // leave under two CTAs per SM), y over KV heads. Each thread owns one 16-byte chunk (8 channels) of
 // every (128 / chunks per row)-th key; per key block all of its loads are issued before any is
@@ -65,7 +71,7 @@ __global__ void __launch_bounds__(kRangeThreads)
   static_assert(kHeadDim <= kRangeThreads, "one thread per channel folds the warps");
   const PagedLayout& L = args.layout;
   const int blocks_per_cta = args.range_key_blocks;
-  const int groups_per_seq = (L.max_k_blocks + blocks_per_cta - 1) / blocks_per_cta;
+  const int groups_per_seq = range_groups_per_seq(L.max_k_blocks, blocks_per_cta);
   const int b = static_cast<int>(blockIdx.x) / groups_per_seq;
   const int group = static_cast<int>(blockIdx.x) % groups_per_seq;
   const int head = static_cast<int>(blockIdx.y);
