@@ -99,32 +99,47 @@ __device__ __forceinline__ void stage_row_max(const SelectList& list, float* row
   }
 }
 
+// S[j] and H[j] summed over rows r0 .. r0+kRows-1 of the list (rm staged in `row_max`). With
+// kAllRows the caller knows every row exists, so all the loads issue before the first use; otherwise
+// rows past num_rows read row 0 and are dropped (a load guarded by its own branch would wait for
+// the one before it).
+template <int kRows, bool kAllRows>
+__device__ __forceinline__ void accumulate_rows(const SelectList& list, const float* row_max,
+                                                int max_k_blocks, int j, int r0, float& score,
+                                                bool& hrm) {
+  float v[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = kAllRows || r0 + r < list.num_rows ? r0 + r : 0;
+    v[r] = list.block_max[static_cast<int64_t>(row) * max_k_blocks + j];
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (kAllRows || r0 + r < list.num_rows) {
+      score += __expf(v[r] - row_max[r0 + r]);
+      hrm |= (v[r] == row_max[r0 + r]);
+    }
+  }
+}
+
 // The sort key of candidate block j: S[j] = sum_r exp(bm[r, j] - rm[r]) and the HRM flag
-// H[j] = any_r bm[r, j] == rm[r], over the list's rows (rm staged in `row_max`).
+// H[j] = any_r bm[r, j] == rm[r], over the list's rows. Every query block but a sequence's last
+// has all its rows, and takes the path without per-row tests; the rows go 16 loads at a time.
 template <int kStride>
 __device__ __forceinline__ uint64_t candidate_key(const SelectList& list, const float* row_max,
                                                   int max_k_blocks, int j) {
-  // The rows' loads are issued 16 at a time before any is used (rows past num_rows read row 0 and
-  // are dropped): a load guarded by its own branch would wait for the one before it.
   constexpr int kRows = kBlockSize / kStride;
   constexpr int kBatch = kRows < 16 ? kRows : 16;
   float score = 0.f;
   bool hrm = false;
+  if (list.num_rows == kRows) {
 #pragma unroll
-  for (int r0 = 0; r0 < kRows; r0 += kBatch) {
-    float v[kBatch];
+    for (int r0 = 0; r0 < kRows; r0 += kBatch)
+      accumulate_rows<kBatch, true>(list, row_max, max_k_blocks, j, r0, score, hrm);
+  } else {
 #pragma unroll
-    for (int r = 0; r < kBatch; ++r) {
-      const int row = r0 + r < list.num_rows ? r0 + r : 0;
-      v[r] = list.block_max[static_cast<int64_t>(row) * max_k_blocks + j];
-    }
-#pragma unroll
-    for (int r = 0; r < kBatch; ++r) {
-      if (r0 + r < list.num_rows) {
-        score += __expf(v[r] - row_max[r0 + r]);
-        hrm |= (v[r] == row_max[r0 + r]);
-      }
-    }
+    for (int r0 = 0; r0 < kRows; r0 += kBatch)
+      accumulate_rows<kBatch, false>(list, row_max, max_k_blocks, j, r0, score, hrm);
   }
   return select_key(hrm, score, j);
 }
