@@ -230,17 +230,25 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 #pragma unroll
     for (int c = 0; c < 8; ++c) centre[c] = key_centre<kHeadDim>(args, b, head, 8 * chunk + c);
     const int32_t* page_row = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
+    // The page numbers first, then the keys, as in the range kernel: a key's load waits for its
+    // page number, and issued in one loop the chunks would pay one memory latency each. Page sizes
+    // are powers of two (checked by the binding).
+    const int page_shift = __ffs(L.page_size) - 1;
+    const int row_mask = L.page_size - 1;
+    int page[kChunks];
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
       const int key = key_block * kBlockSize + first_token + kTokenStep * i;
       live[i] = key < len_k;
-      raw[i] = make_uint4(0, 0, 0, 0);
-      if (live[i]) {
-        const int page = __ldg(page_row + key / L.page_size);
-        raw[i] = *reinterpret_cast<const uint4*>(static_cast<const Element*>(L.k_cache) + page * L.k_page_stride +
-                                                 (key % L.page_size) * L.k_row_stride + head * L.k_head_stride +
-                                                 8 * chunk);
-      }
+      page[i] = live[i] ? __ldg(page_row + (key >> page_shift)) : 0;
+    }
+    const Element* cache = static_cast<const Element*>(L.k_cache) + head * L.k_head_stride + 8 * chunk;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int key = key_block * kBlockSize + first_token + kTokenStep * i;
+      raw[i] = live[i] ? *reinterpret_cast<const uint4*>(cache + static_cast<int64_t>(page[i]) * L.k_page_stride +
+                                                         (key & row_mask) * L.k_row_stride)
+                       : make_uint4(0, 0, 0, 0);
     }
     dst_token_stride = int64_t(L.num_heads_kv) * kHeadDim;
     dst = args.k8 + (static_cast<int64_t>(slot) * kBlockSize + first_token) * dst_token_stride + head * kHeadDim +
