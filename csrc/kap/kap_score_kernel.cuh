@@ -161,19 +161,28 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   uint32_t k_base[kLoadsB];
   int k_valid_count[kLoadsB];
   const int32_t* page_row = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
+  // Page sizes are powers of two (checked by the binding): shifts and masks, not divisions.
+  const int page_shift = __ffs(L.page_size) - 1;
+  const int page_row_mask = L.page_size - 1;
   auto resolve_key_columns = [&](int col_tile) {
+    // The page numbers first, then the offsets: resolved in one loop, each column would wait for
+    // its page number before the next one's load issued.
+    int page[kLoadsB];
 #pragma unroll
     for (int i = 0; i < kLoadsB; ++i) {
-      const int c = col_tile * kTileCols + load_row + kLoadRows * i;
-      const int key = c * kStride;
+      const int key = (col_tile * kTileCols + load_row + kLoadRows * i) * kStride;
       k_valid_count[i] = len_k - key;
+      if constexpr (!kE4M3) page[i] = key < len_k ? __ldg(page_row + (key >> page_shift)) : 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kLoadsB; ++i) {
+      const int key = (col_tile * kTileCols + load_row + kLoadRows * i) * kStride;
       int64_t offset = 0;
       if (key < len_k) {
         if constexpr (kE4M3) {
           offset = (static_cast<int64_t>(b) * L.max_k_blocks * kBlockSize + key) * k_row_stride;
         } else {
-          const int page = __ldg(page_row + key / L.page_size);
-          offset = page * L.k_page_stride + (key % L.page_size) * L.k_row_stride;
+          offset = page[i] * L.k_page_stride + (key & page_row_mask) * L.k_row_stride;
         }
       }
       k_base[i] = static_cast<uint32_t>((offset + kv_head * k_head_stride) / kChunkElems);
