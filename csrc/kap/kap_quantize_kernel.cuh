@@ -172,8 +172,10 @@ __device__ __forceinline__ float key_centre(const KapDeviceArgs& args, int b, in
   return isfinite(centre) ? centre : 0.f;
 }
 
-// Grid: x over the packed query blocks, then over the key blocks (batch * max_k_blocks); y over
-// query heads (key blocks use the first Hkv). Each thread owns one 16-byte chunk (8 channels) of
+// Grid: x over (packed query block, query head) pairs, then (key block of batch * max_k_blocks,
+// KV head) pairs, the head varying fastest: the CTAs in flight together then cover every head of
+// the same tokens, whole rows of q and of the pages (heads slowest, the same DRAM pages were
+// opened again by each head's CTAs far apart in time). Each thread owns one 16-byte chunk (8 channels) of
 // every (128 / chunks per token)-th token of the block, so that a warp's loads and stores cover
 // whole token rows (coalesced), and holds its chunks as loaded: the values are converted (and
 // centred) once for amax and again for the quantisation, the same float32 operations both times,
@@ -191,11 +193,15 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   constexpr int kTokenStep = kQuantizeThreads / kChunksPerToken;  // tokens between a thread's chunks
   constexpr int kChunks = kBlockSize / kTokenStep;                 // chunks per thread
   const PagedLayout& L = args.layout;
-  const int head = static_cast<int>(blockIdx.y);
+  const int64_t query_ctas = static_cast<int64_t>(L.num_q_blocks) * L.num_heads_q;
+  const bool query_block = static_cast<int64_t>(blockIdx.x) < query_ctas;
+  const int64_t cta = query_block ? blockIdx.x : blockIdx.x - query_ctas;
+  const int heads = query_block ? L.num_heads_q : L.num_heads_kv;
+  const int head = static_cast<int>(cta % heads);
+  const int block_index = static_cast<int>(cta / heads);  // g, or b * max_k_blocks + j
   const int tid = static_cast<int>(threadIdx.x);
   const int chunk = tid % kChunksPerToken;  // channels 8 * chunk ... 8 * chunk + 7
   const int first_token = tid / kChunksPerToken;
-  const bool query_block = static_cast<int>(blockIdx.x) < L.num_q_blocks;
 
   uint4 raw[kChunks];
   bool live[kChunks];
@@ -204,7 +210,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   float* scale_out = nullptr;
   float centre[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // keys: what each channel is taken from
   if (query_block) {
-    const int g = static_cast<int>(blockIdx.x);
+    const int g = block_index;
     const QueryBlock block = locate_query_block(L, g);  // warp-collective: every warp calls it
     if (!block.valid) return;
     const int first_row = block.block_in_seq * kBlockSize + first_token;
@@ -221,8 +227,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
           8 * chunk;
     scale_out = args.q_scale + static_cast<int64_t>(g) * L.num_heads_q + head;
   } else {
-    if (head >= L.num_heads_kv) return;
-    const int slot = static_cast<int>(blockIdx.x) - L.num_q_blocks;  // b * max_k_blocks + j
+    const int slot = block_index;  // b * max_k_blocks + j
     const int b = slot / L.max_k_blocks;
     const int key_block = slot % L.max_k_blocks;
     const int len_k = __ldg(L.seqused_k + b);
