@@ -242,14 +242,14 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
   {
     // Column tiles and units: 256-wide tiles unless the problem gives fewer than two waves of
     // them; units long enough to amortise the pipeline fill, short enough that the causal
-    // triangle splits into some four waves of CTAs per head chunk.
+    // triangle splits into some two waves of CTAs per head chunk.
     const int64_t stride_cols = (layout.max_seqlen_k + params.stride - 1) / params.stride;
     auto causal_work = [&](int64_t tile_cols) {  // column tiles of all row tiles, about
       return static_cast<int64_t>(ws.heads_per_chunk) * args.num_tiles *
              ((stride_cols + tile_cols - 1) / tile_cols + 1) / 2;
     };
     args.tile_cols = causal_work(256) < 2 * static_cast<int64_t>(num_sms) ? 128 : 256;
-    const int64_t per_unit = causal_work(args.tile_cols) / (4 * static_cast<int64_t>(num_sms));
+    const int64_t per_unit = causal_work(args.tile_cols) / (2 * static_cast<int64_t>(num_sms));
     args.col_tiles_per_unit = static_cast<int>(
         per_unit < 1 ? 1 : (per_unit > kap::kMaxColTilesPerUnit ? kap::kMaxColTilesPerUnit : per_unit));
     // Key-range CTAs (fp8 proxy): up to four key blocks each, fewer where that leaves under two
