@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   auto resolve_key_columns = [&](int col_tile) {
     // The page numbers first, then the offsets: resolved in one loop, each column would wait for
     // its page number before the next one's load issued.
-    int page[kLoadsB];
+    [[maybe_unused]] int page[kLoadsB];  // 16-bit operands only
 #pragma unroll
     for (int i = 0; i < kLoadsB; ++i) {
       const int key = (col_tile * kTileCols + load_row + kLoadRows * i) * kStride;
