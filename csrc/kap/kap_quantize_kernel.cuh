@@ -175,12 +175,13 @@ __device__ __forceinline__ float key_centre(const KapDeviceArgs& args, int b, in
 // Grid: x over (packed query block, query head) pairs, then (key block of batch * max_k_blocks,
 // KV head) pairs, the head varying fastest: the CTAs in flight together then read whole token rows
 // of q and of the pages (with the head slowest, each head's CTAs came back to the same rows far
-// apart in time; 1.4% of the pass at 32K tokens on an H200). Each thread owns one 16-byte chunk
-// (8 channels) of every (128 / chunks per token)-th token of the block, so that a warp's loads and stores cover
-// whole token rows (coalesced), and holds its chunks as loaded: the values are converted (and
-// centred) once for amax and again for the quantisation, the same float32 operations both times,
-// which keeps the registers, and so the CTAs in flight per SM, at what the loads need. (With a
-// thread per token holding its whole row as floats, the pass moved about 2.1 TB/s on the H200.)
+// apart in time; 1.4% of KAP at 32K tokens on an H200). Each thread owns one 16-byte chunk (8
+// channels) of every (128 / chunks per token)-th token of the block, so that a warp's loads and
+// stores cover whole token rows (coalesced), and holds its chunks as loaded: the values are
+// converted (and centred) once for amax and again for the quantisation, the same float32
+// operations both times, which keeps the registers, and so the CTAs in flight per SM, at what the
+// loads need. (With a thread per token holding its whole row as floats, the pass moved about
+// 2.1 TB/s on the H200.)
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kQuantizeThreads)
     kap_quantize_kernel(const KapDeviceArgs args) {
