@@ -82,9 +82,7 @@ __global__ void __launch_bounds__(kRangeThreads)
   const int chunk = tid % kChunks;
   const Element* cache = static_cast<const Element*>(L.k_cache) + head * L.k_head_stride + chunk * 8;
   const int32_t* pages = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
-  // Page sizes are powers of two (checked by the binding): shifts, not sixteen integer divisions.
-  const int page_shift = __ffs(L.page_size) - 1;
-  const int row_mask = L.page_size - 1;
+  const KeyPaging paging = key_paging(L);
   float high[8], low[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
@@ -100,7 +98,7 @@ __global__ void __launch_bounds__(kRangeThreads)
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int key = first + pass * kKeysPerPass + tid / kChunks;
-      page[pass] = key < len_k ? __ldg(pages + (key >> page_shift)) : -1;
+      page[pass] = key < len_k ? __ldg(pages + paging.page_index(key)) : -1;
     }
     uint4 raw[kPasses];
 #pragma unroll
@@ -109,7 +107,7 @@ __global__ void __launch_bounds__(kRangeThreads)
       raw[pass] = make_uint4(0u, 0u, 0u, 0u);
       if (page[pass] >= 0) {
         raw[pass] = *reinterpret_cast<const uint4*>(cache + static_cast<int64_t>(page[pass]) * L.k_page_stride +
-                                                    (key & row_mask) * L.k_row_stride);
+                                                    paging.row(key) * L.k_row_stride);
       }
     }
 #pragma unroll
@@ -237,23 +235,21 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     for (int c = 0; c < 8; ++c) centre[c] = key_centre<kHeadDim>(args, b, head, 8 * chunk + c);
     const int32_t* page_row = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
     // The page numbers first, then the keys, as in the range kernel: a key's load waits for its
-    // page number, and issued in one loop the chunks would pay one memory latency each. Page sizes
-    // are powers of two (checked by the binding).
-    const int page_shift = __ffs(L.page_size) - 1;
-    const int row_mask = L.page_size - 1;
+    // page number, and issued in one loop the chunks would pay one memory latency each.
+    const KeyPaging paging = key_paging(L);
     int page[kChunks];
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
       const int key = key_block * kBlockSize + first_token + kTokenStep * i;
       live[i] = key < len_k;
-      page[i] = live[i] ? __ldg(page_row + (key >> page_shift)) : 0;
+      page[i] = live[i] ? __ldg(page_row + paging.page_index(key)) : 0;
     }
     const Element* cache = static_cast<const Element*>(L.k_cache) + head * L.k_head_stride + 8 * chunk;
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
       const int key = key_block * kBlockSize + first_token + kTokenStep * i;
       raw[i] = live[i] ? *reinterpret_cast<const uint4*>(cache + static_cast<int64_t>(page[i]) * L.k_page_stride +
-                                                         (key & row_mask) * L.k_row_stride)
+                                                         paging.row(key) * L.k_row_stride)
                        : make_uint4(0, 0, 0, 0);
     }
     dst_token_stride = int64_t(L.num_heads_kv) * kHeadDim;

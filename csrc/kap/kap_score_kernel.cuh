@@ -161,9 +161,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   uint32_t k_base[kLoadsB];
   int k_valid_count[kLoadsB];
   const int32_t* page_row = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
-  // Page sizes are powers of two (checked by the binding): shifts and masks, not divisions.
-  const int page_shift = __ffs(L.page_size) - 1;
-  const int page_row_mask = L.page_size - 1;
+  const KeyPaging paging = key_paging(L);
   auto resolve_key_columns = [&](int col_tile) {
     // The page numbers first, then the offsets: resolved in one loop, each column would wait for
     // its page number before the next one's load issued.
@@ -172,7 +170,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     for (int i = 0; i < kLoadsB; ++i) {
       const int key = (col_tile * kTileCols + load_row + kLoadRows * i) * kStride;
       k_valid_count[i] = len_k - key;
-      if constexpr (!kE4M3) page[i] = key < len_k ? __ldg(page_row + (key >> page_shift)) : 0;
+      if constexpr (!kE4M3) page[i] = key < len_k ? __ldg(page_row + paging.page_index(key)) : 0;
     }
 #pragma unroll
     for (int i = 0; i < kLoadsB; ++i) {
@@ -182,7 +180,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
         if constexpr (kE4M3) {
           offset = (static_cast<int64_t>(b) * L.max_k_blocks * kBlockSize + key) * k_row_stride;
         } else {
-          offset = page[i] * L.k_page_stride + (key & page_row_mask) * L.k_row_stride;
+          offset = page[i] * L.k_page_stride + paging.row(key) * L.k_row_stride;
         }
       }
       k_base[i] = static_cast<uint32_t>((offset + kv_head * k_head_stride) / kChunkElems);
