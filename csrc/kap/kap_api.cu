@@ -172,8 +172,7 @@ cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
   const cudaError_t err = launch_dependent(kap_key_range_kernel<Element, kHeadDim>, range_grid,
                                            dim3(kRangeThreads), 0, stream, args);
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(L.num_q_blocks) * L.num_heads_q +
-                                        static_cast<int64_t>(L.batch) * L.max_k_blocks * L.num_heads_kv));
+  const dim3 grid(static_cast<unsigned>(quantize_ctas(L)));
   return launch_dependent(kap_quantize_kernel<Element, kHeadDim>, grid, dim3(kQuantizeThreads), 0,
                           stream, args);
 }

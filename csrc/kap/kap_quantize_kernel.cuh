@@ -170,6 +170,15 @@ __device__ __forceinline__ float key_centre(const KapDeviceArgs& args, int b, in
   return isfinite(centre) ? centre : 0.f;
 }
 
+// Quantisation CTAs: one per (packed query block, query head), then one per (key block, KV head);
+// the launch's grid and the kernel's CTA mapping share these.
+__host__ __device__ __forceinline__ int64_t quantize_query_ctas(const PagedLayout& L) {
+  return static_cast<int64_t>(L.num_q_blocks) * L.num_heads_q;
+}
+__host__ __device__ __forceinline__ int64_t quantize_ctas(const PagedLayout& L) {
+  return quantize_query_ctas(L) + static_cast<int64_t>(L.batch) * L.max_k_blocks * L.num_heads_kv;
+}
+
 // Grid: x over (packed query block, query head) pairs, then (key block of batch * max_k_blocks,
 // KV head) pairs, the head varying fastest: the CTAs in flight together then read whole token rows
 // of q and of the pages (with the head slowest, each head's CTAs came back to the same rows far
@@ -192,7 +201,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   constexpr int kTokenStep = kQuantizeThreads / kChunksPerToken;  // tokens between a thread's chunks
   constexpr int kChunks = kBlockSize / kTokenStep;                 // chunks per thread
   const PagedLayout& L = args.layout;
-  const int64_t query_ctas = static_cast<int64_t>(L.num_q_blocks) * L.num_heads_q;
+  const int64_t query_ctas = quantize_query_ctas(L);
   const bool query_block = static_cast<int64_t>(blockIdx.x) < query_ctas;
   const int64_t cta = query_block ? blockIdx.x : blockIdx.x - query_ctas;
   const int heads = query_block ? L.num_heads_q : L.num_heads_kv;
