@@ -166,9 +166,8 @@ cudaError_t launch_chunk(const KapDeviceArgs& args, int stride, ProxyPrecision p
 template <class Element, int kHeadDim>
 cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
   const PagedLayout& L = args.layout;
-  const dim3 range_grid(
-      static_cast<unsigned>(L.batch * range_groups_per_seq(L.max_k_blocks, args.range_key_blocks)),
-      static_cast<unsigned>(L.num_heads_kv));
+  const dim3 range_grid(static_cast<unsigned>(
+      L.batch * range_groups_per_seq(L.max_k_blocks, args.range_key_blocks) * L.num_heads_kv));
   const cudaError_t err = launch_dependent(kap_key_range_kernel<Element, kHeadDim>, range_grid,
                                            dim3(kRangeThreads), 0, stream, args);
   if (err != cudaSuccess) return err;

@@ -45,7 +45,9 @@ __host__ __device__ __forceinline__ int range_groups_per_seq(int max_k_blocks, i
 }
 
 // Grid: x over (sequence, group of args.range_key_blocks key blocks: four, or fewer where four would
-// leave under two CTAs per SM), y over KV heads. Each thread owns one 16-byte chunk (8 channels) of
+// leave under two CTAs per SM, KV head), the head fastest, so that the CTAs in flight together read
+// whole token rows of the pages, and in the order that the quantisation pass walks backwards (it
+// then finds the last keys read here in L2). Each thread owns one 16-byte chunk (8 channels) of
 // every (128 / chunks per row)-th key; per key block all of its loads are issued before any is
 // folded, so that the CTA has a whole block in flight (with fewer bytes in flight the pass is bound
 // by memory latency, not bandwidth). Finite values fold into
@@ -72,9 +74,9 @@ __global__ void __launch_bounds__(kRangeThreads)
   const PagedLayout& L = args.layout;
   const int blocks_per_cta = args.range_key_blocks;
   const int groups_per_seq = range_groups_per_seq(L.max_k_blocks, blocks_per_cta);
-  const int b = static_cast<int>(blockIdx.x) / groups_per_seq;
-  const int group = static_cast<int>(blockIdx.x) % groups_per_seq;
-  const int head = static_cast<int>(blockIdx.y);
+  const int head = static_cast<int>(blockIdx.x % L.num_heads_kv);
+  const int b = static_cast<int>(blockIdx.x / L.num_heads_kv) / groups_per_seq;
+  const int group = static_cast<int>(blockIdx.x / L.num_heads_kv) % groups_per_seq;
   const int len_k = __ldg(L.seqused_k + b);
   const int group_first = group * blocks_per_cta * kBlockSize;
   if (group_first >= len_k) return;
@@ -170,25 +172,27 @@ __device__ __forceinline__ float key_centre(const KapDeviceArgs& args, int b, in
   return isfinite(centre) ? centre : 0.f;
 }
 
-// Quantisation CTAs: one per (packed query block, query head), then one per (key block, KV head);
+// Quantisation CTAs: one per (key block, KV head), then one per (packed query block, query head);
 // the launch's grid and the kernel's CTA mapping share these.
-__host__ __device__ __forceinline__ int64_t quantize_query_ctas(const PagedLayout& L) {
-  return static_cast<int64_t>(L.num_q_blocks) * L.num_heads_q;
+__host__ __device__ __forceinline__ int64_t quantize_key_ctas(const PagedLayout& L) {
+  return static_cast<int64_t>(L.batch) * L.max_k_blocks * L.num_heads_kv;
 }
 __host__ __device__ __forceinline__ int64_t quantize_ctas(const PagedLayout& L) {
-  return quantize_query_ctas(L) + static_cast<int64_t>(L.batch) * L.max_k_blocks * L.num_heads_kv;
+  return quantize_key_ctas(L) + static_cast<int64_t>(L.num_q_blocks) * L.num_heads_q;
 }
 
-// Grid: x over (packed query block, query head) pairs, then (key block of batch * max_k_blocks,
-// KV head) pairs, the head varying fastest: the CTAs in flight together then read whole token rows
-// of q and of the pages (with the head slowest, each head's CTAs came back to the same rows far
-// apart in time; 1.4% of KAP at 32K tokens on an H200). Each thread owns one 16-byte chunk (8
-// channels) of every (128 / chunks per token)-th token of the block, so that a warp's loads and
-// stores cover whole token rows (coalesced), and holds its chunks as loaded: the values are
-// converted (and centred) once for amax and again for the quantisation, the same float32
-// operations both times, which keeps the registers, and so the CTAs in flight per SM, at what the
-// loads need. (With a thread per token holding its whole row as floats, the pass moved about
-// 2.1 TB/s on the H200.)
+// Grid: x over (key block of batch * max_k_blocks, KV head) pairs, the last key block first, then
+// (packed query block, query head) pairs, the head varying fastest in both. The keys come first and
+// backwards because the range pass, which reads them in the same head-fastest order, has just read
+// the last ones, which may still be in L2 (0.5-1.2% of KAP at 16K-32K tokens on an H200). With the
+// head fastest, the CTAs in flight together read whole token rows of q and of the pages (with the
+// head slowest, each head's CTAs came back to the same rows far apart in time; 1.4% of KAP at 32K).
+// Each thread owns one 16-byte chunk (8 channels) of every (128 / chunks per token)-th token of the
+// block, so that a warp's loads and stores cover whole token rows (coalesced), and holds its chunks
+// as loaded: the values are converted (and centred) once for amax and again for the quantisation,
+// the same float32 operations both times, which keeps the registers, and so the CTAs in flight per
+// SM, at what the loads need. (With a thread per token holding its whole row as floats, the pass
+// moved about 2.1 TB/s on the H200.)
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kQuantizeThreads)
     kap_quantize_kernel(const KapDeviceArgs args) {
@@ -201,9 +205,9 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   constexpr int kTokenStep = kQuantizeThreads / kChunksPerToken;  // tokens between a thread's chunks
   constexpr int kChunks = kBlockSize / kTokenStep;                 // chunks per thread
   const PagedLayout& L = args.layout;
-  const int64_t query_ctas = quantize_query_ctas(L);
-  const bool query_block = static_cast<int64_t>(blockIdx.x) < query_ctas;
-  const int64_t cta = query_block ? blockIdx.x : blockIdx.x - query_ctas;
+  const int64_t key_ctas = quantize_key_ctas(L);
+  const bool query_block = static_cast<int64_t>(blockIdx.x) >= key_ctas;
+  const int64_t cta = query_block ? blockIdx.x - key_ctas : key_ctas - 1 - blockIdx.x;
   const int heads = query_block ? L.num_heads_q : L.num_heads_kv;
   const int head = static_cast<int>(cta % heads);
   const int block_index = static_cast<int>(cta / heads);  // g, or b * max_k_blocks + j
