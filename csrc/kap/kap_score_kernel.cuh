@@ -480,6 +480,11 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
       publish_block_maxima(col0, scales, maxima);
     }
   }
+  // The loop ends after a column tile's wait, but ptxas cannot tell: without this wait it assumed
+  // that MMAs could still be in flight on the way out and waited for them at the end of every
+  // step (C7517, "warpgroup.wait is injected"), which left one K slice of MMAs in flight per
+  // warpgroup instead of two.
+  wgmma_wait<0>();
   if constexpr (kPublishLate) publish_block_maxima(pending_col0, pending_scales, pending_maxima);
   if constexpr (!kTmaLoads) cp_async_wait<0>();
 }
