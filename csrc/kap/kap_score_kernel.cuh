@@ -228,7 +228,15 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   int released = 0;  // TMA: steps [0, released) released by this warpgroup
   // Branch-free (predicated) on purpose: a divergent branch between two steps' wgmmas makes ptxas
   // serialise them (C7518).
+  // Only warp 0 of each warpgroup runs the release: its elected thread is the one that counts and
+  // refills, and the other warps would only run the uniform-operand loops that ptxas builds around
+  // the TMA issue. The shuffle makes the test warp-uniform, so that the branch is not divergent.
+  const bool release_warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0) == 0;
   auto release_through = [&](int last) {
+    if (!release_warp) {
+      released = last + 1 > released ? last + 1 : released;
+      return;
+    }
     for (; released <= last; ++released) {
       const int load = released + kStages;
       const int stage = released % kStages;
