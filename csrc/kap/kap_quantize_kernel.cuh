@@ -184,7 +184,7 @@ __host__ __device__ __forceinline__ int64_t quantize_ctas(const PagedLayout& L) 
 // Grid: x over (key block of batch * max_k_blocks, KV head) pairs, the last key block first, then
 // (packed query block, query head) pairs, the head varying fastest in both. The keys come first and
 // backwards because the range pass, which reads them in the same head-fastest order, has just read
-// the last ones, which may still be in L2 (0.5-1.2% of KAP at 16K-32K tokens on an H200). With the
+// the last ones, which may still be in L2 (0.4-1.2% of KAP at 16K-32K tokens on an H200). With the
 // head fastest, the CTAs in flight together read whole token rows of q and of the pages (with the
 // head slowest, each head's CTAs came back to the same rows far apart in time; 1.4% of KAP at 32K).
 // Each thread owns one 16-byte chunk (8 channels) of every (128 / chunks per token)-th token of the
