@@ -122,8 +122,10 @@ def ptxas_report(kernel: str, label: str, log: str) -> list[str]:
     spilled), for KAP one line over its scoring kernels and one per other kernel that spills; and
     one line per warning that ptxas serialised a kernel's wgmmas: C7513 (a wgmma's input registers
     written inside its pipeline stage), C7514 (a wgmma's accumulator possibly read in flight) or
-    C7518 (a wgmma in a divergent path). Each costs the overlap the kernels are built on, and none
-    stops the build."""
+    C7518 (a wgmma in a divergent path), and one when it inserted a wgmma wait of its own (C7517:
+    registers defined by a wgmma used where it could not prove the wgmma complete; at a loop's
+    latch that wait runs every iteration). Each costs the overlap the kernels are built on, and
+    none stops the build."""
     entries = list(zip(re.findall(r"Compiling entry function '(\S+)'", log),
                        re.findall(r"bytes stack frame, (\d+) bytes spill stores.*?\n.*?Used (\d+) registers", log)))
     lines = []
@@ -141,6 +143,9 @@ def ptxas_report(kernel: str, label: str, log: str) -> list[str]:
                   if "kap_score_kernel" not in name and int(spilled) > 0]
     for code in sorted(set(re.findall(r"\((C751[348])\)", log))):
         lines.append(f"  {label}: ptxas serialised the wgmmas ({code})")
+    injected = len(re.findall(r"\(C7517\)", log))
+    if injected:
+        lines.append(f"  {label}: ptxas inserted {injected} wgmma waits of its own (C7517)")
     return lines
 
 

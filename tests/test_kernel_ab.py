@@ -68,6 +68,13 @@ def test_ptxas_report_summarises_kap_scoring_kernels_and_names_other_spills():
         "  v: ptxas serialised the wgmmas (C7518)"]
 
 
+def test_ptxas_report_counts_the_waits_ptxas_inserts():
+    injected = ("ptxas info    : (C7517) warpgroup.wait is injected in around line 27127 by compiler to allow use "
+                "of registers defined by GMMA in function '_ZN1p3kap16kap_score_kernelILi1EEEvv'\n")
+    assert kernel_ab.ptxas_report("kap", "v", 2 * injected)[-1] == "  v: ptxas inserted 2 wgmma waits of its own (C7517)"
+    assert kernel_ab.ptxas_report("kap", "v", "") == []
+
+
 def test_row_lines_parse():
     line = ("ROW case=random-25%-16K variant=osk_tree_max ms=1.0800 ratio=0.9700 q1=0.9600 q3=0.9900 mismatches=0 "
             "rounds=1.1,1.08,1.07")
