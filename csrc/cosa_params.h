@@ -69,6 +69,16 @@ inline bool valid_page_size(int64_t page_size) {
   return page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
 }
 
+// log2 of a valid page size: token t lies in page-table entry t >> log2_page_size, row
+// t & (page_size - 1). One bit-scan instruction on either side.
+__host__ __device__ inline int log2_page_size(int page_size) {
+#ifdef __CUDA_ARCH__
+  return __ffs(page_size) - 1;
+#else
+  return __builtin_ctz(static_cast<unsigned>(page_size));
+#endif
+}
+
 // What KAP's proxy GEMM multiplies (spec section 2): q and k as given, or e4m3 copies of them with
 // one scale per 128-token block and head; kAuto: e4m3 where the longest key sequence has at least
 // COSA_FP8_PROXY_MIN_KEYS tokens (where it measured faster), as given below that.

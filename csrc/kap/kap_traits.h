@@ -180,7 +180,7 @@ struct KeyPaging {
   __device__ __forceinline__ int row(int key) const { return key & row_mask; }
 };
 __device__ __forceinline__ KeyPaging key_paging(const PagedLayout& layout) {
-  return KeyPaging{__ffs(layout.page_size) - 1, layout.page_size - 1};
+  return KeyPaging{log2_page_size(layout.page_size), layout.page_size - 1};
 }
 
 // Order-preserving map of floats to unsigned integers, so that an integer atomicMax keeps a float

@@ -59,9 +59,7 @@ cudaError_t run_osk_config(const OskParams& params, cudaStream_t stream) {
 
   OskKernelParams kp;
   kp.args = params;
-  int log2_page_size = 0;
-  while ((1 << log2_page_size) < params.layout.page_size) { ++log2_page_size; }
-  kp.log2_page_size = log2_page_size;
+  kp.log2_page_size = log2_page_size(params.layout.page_size);
   kp.heads_per_kv = params.layout.num_heads_q / params.layout.num_heads_kv;
   kp.scale_log2 = params.layout.softmax_scale * static_cast<float>(M_LOG2E);
   const PagedLayout& layout = params.layout;
