@@ -13,6 +13,7 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -137,6 +138,26 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 1
         return cuda_event_median_ms(fn, warmup=max(1, int(warmup_ms / once)),
                                      reps=max(3, int(rep_ms / once)))
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 5, warmup_ms: float = 10.0,
+                   rep_ms: float = 40.0) -> dict[str, list[float]]:
+    """Each function's :func:`time_ms` in ``rounds`` interleaved rounds, each round starting at the
+    next function, so that implementations compared with each other see the same clocks and
+    temperature (timed one after another, whole rows differ by a few percent between runs, the size
+    of the differences they are compared for). Returns the per-round times of each function."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        for offset in range(len(names)):
+            name = names[(round_index + offset) % len(names)]
+            times[name].append(time_ms(fns[name], warmup_ms, rep_ms))
+    return times
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """The median over the rounds of one round's time over the other's in the same round."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
 class Rotation:

@@ -27,10 +27,14 @@ freed. Then, per layer:
 
 The ``kap`` and ``kap-fp8`` rows carry ``stages_ms``, each stage's kernel time per call under
 torch.profiler (input checks, index, key range, quantisation, scoring, select, other; the kernels of
-the chain overlap, so the stages sum to more than the row's time). The ``osk`` row also carries two
-ratios from the three OSK times on the native lists: ``skip_tax``, the skip-none time over the
-skip-off time (what the skip machinery costs the blocks that are computed;
-1 when free), and ``skip_cost``, what a skipped block costs as a share of a computed one with the
+the chain overlap, so the stages sum to more than the row's time). The CoSA rows of a layer are timed together in
+interleaved rounds, and so are its OSK rows (each row keeps its ``rounds_ms``): the ratios below are
+medians of per-round ratios, which a few percent of drift between rows timed one after another
+would otherwise decide. ``skip_gain`` is the skip-off time over the skip-on time (above 1: the skip
+pays), on the ``cosa`` row from cosa-noskip, on the ``osk`` row from osk-noskip. The ``osk`` row
+also carries two ratios from the three OSK times on the native lists: ``skip_tax``, the skip-none
+time over the skip-off time (what the skip machinery costs the blocks that are computed; 1 when
+free), and ``skip_cost``, what a skipped block costs as a share of a computed one with the
 machinery on: ``(t_osk / t_skipnone - r) / (1 - r)`` with ``r`` = realised / stage-1 budget (the
 per-block model ignores each tile's fixed cost; None when under 5% of the listed blocks are skipped).
 
@@ -54,6 +58,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +68,9 @@ from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, record_kap_stages,  # noqa: E402
-                    relative_error, require_cuda, save_figure, start_run, time_ms, write_json)
+from common import (REPO_ROOT, argument_parser, finish_report, format_table, interleaved_ms, paired_ratio,  # noqa: E402
+                    progress, record_kap_stages, relative_error, require_cuda, save_figure, start_run, time_ms,
+                    write_json)
 from kernel import (BLOCK, NO_SKIP_DELTA, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense,  # noqa: E402
                     guarded, load_fa4, one_line, reference_rows, rows_of, sdpa)
 import proxies  # noqa: E402
@@ -75,9 +81,9 @@ COSA_VARIANTS = {"cosa": {}, "cosa-noskip": {"delta": 0.0}, "cosa-tile": {"vote"
                  "cosa-native": {"proxy_precision": "native"}, "cosa-fp8": {"proxy_precision": "fp8"}}
 CHECKED_BLOCKS = 8
 TABLE_COLUMNS = ("layer", "n", "impl", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
-                 "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_tax", "skip_cost")
+                 "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_gain", "skip_tax", "skip_cost")
 SUMMARY_COLUMNS = ("impl", "layers", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
-                   "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_tax", "skip_cost")
+                   "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_gain", "skip_tax", "skip_cost")
 LISTS_COLUMNS = ("layer", "n", "impl", "stage1_budget", "iou_vs_native", "mass_native", "mass_fp8")
 PRECISION_IMPLS = {"native": "kap", "fp8": "kap-fp8"}
 OSK_IMPLS = {"native": "osk", "fp8": "osk-fp8"}
@@ -216,18 +222,32 @@ class LayerRun:
     def guarded(self, label: str, fn, *args) -> None:
         guarded(self.failures, label, fn, *args)
 
-    def add(self, layer: int, impl: str, ms: float, check: Check, out=None, stage1=1.0, realised=1.0) -> None:
+    def add(self, layer: int, impl: str, ms: float, check: Check, out=None, stage1=1.0, realised=1.0,
+            rounds_ms=None) -> dict:
         rel_err, max_row_err = errors(rows_of(out, check.blocks, check.n), check.ref) if out is not None \
             else (None, None)
-        self.rows.append({"kind": "layer", "layer": layer, "n": check.n, "impl": impl, "ms": ms,
-                          "stage1_budget": stage1, "realised_budget": realised, "rel_err": rel_err,
-                          "max_row_err": max_row_err})
+        row = {"kind": "layer", "layer": layer, "n": check.n, "impl": impl, "ms": ms, "stage1_budget": stage1,
+               "realised_budget": realised, "rel_err": rel_err, "max_row_err": max_row_err}
+        if rounds_ms is not None:
+            row["rounds_ms"] = rounds_ms
+        self.rows.append(row)
         parts = [f"layer {layer} {impl}: {ms:.3f} ms"]
         if impl not in ("cudnn", "fa4"):
             parts.append(f"budgets {stage1:.3f}" + (f" / {realised:.3f}" if realised is not None else ""))
         if rel_err is not None:
             parts.append(f"rel_err {rel_err:.2e} (max row {max_row_err:.2e})")
         progress("  " + ", ".join(parts))
+        return row
+
+    def add_interleaved(self, layer: int, runs: dict, check: Check, budgets) -> dict[str, dict]:
+        """Rows for the implementations in ``runs`` (impl -> (function, its first output)), timed in
+        interleaved rounds (common.interleaved_ms): their ``ms`` is the median round and ``rounds_ms``
+        every round, so that two rows of the same layer compare in paired rounds. ``budgets(impl,
+        output)`` gives a row's stage-1 and realised budgets."""
+        times = interleaved_ms({impl: fn for impl, (fn, _) in runs.items()})
+        return {impl: self.add(layer, impl, statistics.median(times[impl]), check, output[0],
+                               *budgets(impl, output), rounds_ms=times[impl])
+                for impl, (_, output) in runs.items()}
 
     def layer(self, layer: int, q, k, v, scale: float | None) -> None:
         """Every row of one layer: q ``[N, Hq, d]``, k, v ``[N, Hkv, d]`` on the GPU."""
@@ -242,8 +262,7 @@ class LayerRun:
         self.guarded(f"layer {layer} cudnn", self.cudnn_row, layer, s, check, scale)
         if self.fa4 is not None:
             self.guarded(f"layer {layer} fa4", self.fa4_row, layer, s, check, scale)
-        for impl, options in COSA_VARIANTS.items():
-            self.guarded(f"layer {layer} {impl}", self.cosa_row, layer, impl, options, s, check, scale)
+        self.guarded(f"layer {layer} cosa", self.cosa_rows, layer, s, check, scale)
         self.guarded(f"layer {layer} kap", self.kap_rows, layer, s, check, scale)
 
     def cudnn_row(self, layer, s: InputSet, check: Check, scale):
@@ -266,13 +285,23 @@ class LayerRun:
             return
         self.add(layer, "fa4", time_ms(run), check, out)
 
-    def cosa_row(self, layer, impl: str, options: dict, s: InputSet, check: Check, scale):
+    def cosa_rows(self, layer, s: InputSet, check: Check, scale):
+        """The CoSA variants in interleaved rounds; the ``cosa`` row's ``skip_gain`` is the median over
+        the rounds of cosa-noskip's time over cosa's (above 1: the skip pays on this layer)."""
         n = check.n
-        run = lambda **stats: self.cosa.prefill(  # noqa: E731
-            s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q, s.seqused_k, n, n, softmax_scale=scale,
-            **options, **stats)
-        out, stats = run(return_stats=True)
-        self.add(layer, impl, time_ms(run), check, out, stats["stage1_budget"], stats["realised_budget"])
+        runs = {}
+        for impl, options in COSA_VARIANTS.items():
+            def run(options=options, **stats):
+                return self.cosa.prefill(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q, s.seqused_k,
+                                         n, n, softmax_scale=scale, **options, **stats)
+
+            def first_call(impl=impl, run=run):
+                runs[impl] = (run, run(return_stats=True))
+            self.guarded(f"layer {layer} {impl}", first_call)
+        rows = self.add_interleaved(layer, runs, check,
+                                    lambda impl, output: (output[1]["stage1_budget"], output[1]["realised_budget"]))
+        if "cosa" in rows and "cosa-noskip" in rows:
+            rows["cosa"]["skip_gain"] = paired_ratio(rows["cosa-noskip"]["rounds_ms"], rows["cosa"]["rounds_ms"])
 
     def kap_rows(self, layer, s: InputSet, check: Check, scale):
         """KAP alone at each proxy precision (rows ``kap``, ``kap-fp8``), the fp8 row with how its lists
@@ -292,21 +321,22 @@ class LayerRun:
         comparison = list_agreement(lists, s.q, s.k, scale)
         self.rows[-1].update(comparison)
         report_agreement(layer, comparison)
-        for precision, impl in OSK_IMPLS.items():
-            self.guarded(f"layer {layer} {impl}", self.osk_row, layer, impl, *lists[precision], s, check, scale)
-        for impl, options in OSK_SKIP_VARIANTS.items():
-            self.guarded(f"layer {layer} {impl}", self.osk_row, layer, impl, *lists["native"], s, check, scale,
-                         options)
-        mine = {r["impl"]: r for r in self.rows if r["layer"] == layer}
-        if all(impl in mine for impl in ("osk", *OSK_SKIP_VARIANTS)):
-            mine["osk"].update(skip_ratios(mine["osk"], mine["osk-noskip"], mine["osk-skipnone"]))
+        variants = {impl: (lists[precision], {}) for precision, impl in OSK_IMPLS.items()}
+        variants.update({impl: (lists["native"], options) for impl, options in OSK_SKIP_VARIANTS.items()})
+        runs, counts_of = {}, {}
+        for impl, ((order, counts), options) in variants.items():
+            def run(order=order, counts=counts, options=options):
+                return self.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q, s.seqused_k, order,
+                                     counts, check.n, softmax_scale=scale, **options)
 
-    def osk_row(self, layer, impl: str, order, counts, s: InputSet, check: Check, scale, options=None):
-        run = lambda: self.cosa.osk(s.q, s.k_cache, s.v_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
-                                    s.seqused_k, order, counts, check.n, softmax_scale=scale, **(options or {}))
-        out, _, skipped = run()
-        stage1, realised = self.cosa.reference.budgets(counts, skipped, s.cu_seqlens_q, s.seqused_k)
-        self.add(layer, impl, time_ms(run), check, out, stage1, realised)
+            def first_call(impl=impl, run=run):
+                runs[impl] = (run, run())
+            counts_of[impl] = counts
+            self.guarded(f"layer {layer} {impl}", first_call)
+        rows = self.add_interleaved(layer, runs, check, lambda impl, output: self.cosa.reference.budgets(
+            counts_of[impl], output[2], s.cu_seqlens_q, s.seqused_k))
+        if all(impl in rows for impl in ("osk", *OSK_SKIP_VARIANTS)):
+            rows["osk"].update(skip_ratios(rows["osk"], rows["osk-noskip"], rows["osk-skipnone"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,13 +345,14 @@ class LayerRun:
 
 
 def skip_ratios(osk: dict, noskip: dict, skipnone: dict) -> dict:
-    """``skip_tax`` and ``skip_cost`` (module docstring) of OSK's rows at the defaults, with the skip
-    off and with nothing skipped, all on the same lists."""
+    """``skip_gain``, ``skip_tax`` and ``skip_cost`` (module docstring) of OSK's rows at the defaults,
+    with the skip off and with nothing skipped, all on the same lists, each from paired rounds."""
     computed = osk["realised_budget"] / osk["stage1_budget"]
     skip_cost = None
     if 1 - computed >= MIN_SKIPPED_SHARE:
-        skip_cost = (osk["ms"] / skipnone["ms"] - computed) / (1 - computed)
-    return {"skip_tax": skipnone["ms"] / noskip["ms"], "skip_cost": skip_cost}
+        skip_cost = (paired_ratio(osk["rounds_ms"], skipnone["rounds_ms"]) - computed) / (1 - computed)
+    return {"skip_gain": paired_ratio(noskip["rounds_ms"], osk["rounds_ms"]),
+            "skip_tax": paired_ratio(skipnone["rounds_ms"], noskip["rounds_ms"]), "skip_cost": skip_cost}
 
 
 def add_speedups(rows: list[dict]) -> None:

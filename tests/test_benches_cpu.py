@@ -803,6 +803,7 @@ def test_layers_one_layer_on_the_cpu(monkeypatch):
     from torch.nn.attention import SDPBackend
 
     monkeypatch.setattr(layers, "time_ms", lambda fn: 1.0)
+    monkeypatch.setattr(layers, "interleaved_ms", lambda fns: {impl: [1.0, 1.0, 1.0] for impl in fns})
     monkeypatch.setattr(layers, "sdpa", lambda backend, *a: kernel.sdpa(SDPBackend.MATH, *a))
     n = 2560
     problem = cosa.testing.random_problem([n], [n], 4, 2, 64, 128, torch.bfloat16, "cpu", structure="mixed", seed=3)
@@ -835,7 +836,12 @@ def test_layers_one_layer_on_the_cpu(monkeypatch):
             assert rows[osk_impl][key] == rows[cosa_impl][key], (osk_impl, key)
     # The timer is stubbed (every row 1 ms): the skip costs nothing and a skipped block a computed one.
     assert rows["osk"]["skip_tax"] == 1.0 and rows["osk"]["skip_cost"] == pytest.approx(1.0)
+    assert rows["osk"]["skip_gain"] == 1.0 and rows["cosa"]["skip_gain"] == 1.0
     assert all("skip_tax" not in r for impl, r in rows.items() if impl != "osk")
+    assert all("skip_gain" not in r for impl, r in rows.items() if impl not in ("osk", "cosa"))
+    # The CoSA and OSK rows come from paired rounds; the dense and KAP rows are timed on their own.
+    paired = {*layers.COSA_VARIANTS, "osk", "osk-fp8", *layers.OSK_SKIP_VARIANTS}
+    assert all((r.get("rounds_ms") == [1.0, 1.0, 1.0]) == (impl in paired) for impl, r in rows.items())
     assert all("stages_ms" not in r for r in rows.values())  # the profiler's kernel times need the GPU
 
 
@@ -855,12 +861,26 @@ def test_kap_stage_times():
 def test_layers_skip_ratios():
     """skip_cost: a skipped block's time as a share of a computed one's with the machinery on, from OSK
     at the defaults against the same lists with nothing skipped; skip_tax: nothing skipped over skip off."""
-    osk = {"ms": 0.8, "stage1_budget": 0.4, "realised_budget": 0.2}  # half the listed blocks skipped
-    ratios = layers.skip_ratios(osk, {"ms": 0.95}, {"ms": 1.0})
+    # Two paired rounds, the second 10% slower for every row (drift): the ratios are those of each round.
+    osk = {"rounds_ms": [0.8, 0.88], "stage1_budget": 0.4, "realised_budget": 0.2}  # half the listed blocks skipped
+    ratios = layers.skip_ratios(osk, {"rounds_ms": [0.95, 1.045]}, {"rounds_ms": [1.0, 1.1]})
     # 0.8 = 1.0 * (0.5 computed + 0.5 skipped * cost)  ->  cost 0.6
-    assert ratios == {"skip_tax": pytest.approx(1.0 / 0.95), "skip_cost": pytest.approx(0.6)}
-    few = layers.skip_ratios({**osk, "realised_budget": 0.39}, {"ms": 1.0}, {"ms": 1.0})
+    assert ratios == {"skip_gain": pytest.approx(0.95 / 0.8), "skip_tax": pytest.approx(1.0 / 0.95),
+                      "skip_cost": pytest.approx(0.6)}
+    few = layers.skip_ratios({**osk, "realised_budget": 0.39}, {"rounds_ms": [1.0]}, {"rounds_ms": [1.0]})
     assert few["skip_cost"] is None and few["skip_tax"] == 1.0  # 2.5% skipped: not estimated
+
+
+def test_interleaved_rounds(monkeypatch):
+    """Each round starts at the next function, every function is timed once a round, and a paired ratio
+    is the median of the per-round ratios (a drift common to a round cancels)."""
+    calls = []
+    times = iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    monkeypatch.setattr(common, "time_ms", lambda fn, warmup_ms, rep_ms: (calls.append(fn()), next(times))[1])
+    rounds = common.interleaved_ms({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, rounds=2)
+    assert calls == ["a", "b", "c", "b", "c", "a"]
+    assert rounds == {"a": [1.0, 6.0], "b": [2.0, 4.0], "c": [3.0, 5.0]}
+    assert common.paired_ratio([2.0, 4.4, 3.0], [1.0, 2.0, 1.0]) == pytest.approx(2.2)
 
 
 def test_layers_lists_only_on_the_cpu(tiny_model_dir, haystack_dir, tmp_path):
