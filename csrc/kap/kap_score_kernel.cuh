@@ -225,18 +225,14 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     }
     __syncthreads();
   }
-  int released = 0;  // TMA: steps [0, released) released by this warpgroup
+  int released = 0;  // TMA, warp 0 of each warpgroup: steps [0, released) released by the warpgroup
   // Only warp 0 of each warpgroup runs the release: its elected thread is the one that counts and
   // refills, and the other warps would only run the uniform-operand loops that ptxas builds around
-  // the TMA issue (they keep `released` level with warp 0's). The shuffle makes the test
-  // warp-uniform and the release itself is predicated: a divergent branch between two steps'
-  // wgmmas makes ptxas serialise them (C7518).
+  // the TMA issue. The shuffle makes the test warp-uniform and the release itself is predicated: a
+  // divergent branch between two steps' wgmmas makes ptxas serialise them (C7518).
   const bool release_warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0) == 0;
   auto release_through = [&](int last) {
-    if (!release_warp) {
-      released = last + 1 > released ? last + 1 : released;
-      return;
-    }
+    if (!release_warp) return;
     for (; released <= last; ++released) {
       const int load = released + kStages;
       const int stage = released % kStages;
