@@ -27,16 +27,17 @@ freed. Then, per layer:
 
 The ``kap`` and ``kap-fp8`` rows carry ``stages_ms``, each stage's kernel time per call under
 torch.profiler (input checks, index, key range, quantisation, scoring, select, other; the kernels of
-the chain overlap, so the stages sum to more than the row's time). The CoSA rows of a layer are timed together in
-interleaved rounds, and so are its OSK rows (each row keeps its ``rounds_ms``): the ratios below are
-medians of per-round ratios, which a few percent of drift between rows timed one after another
-would otherwise decide. ``skip_gain`` is the skip-off time over the skip-on time (above 1: the skip
-pays), on the ``cosa`` row from cosa-noskip, on the ``osk`` row from osk-noskip. The ``osk`` row
-also carries two ratios from the three OSK times on the native lists: ``skip_tax``, the skip-none
-time over the skip-off time (what the skip machinery costs the blocks that are computed; 1 when
-free), and ``skip_cost``, what a skipped block costs as a share of a computed one with the
-machinery on: ``(t_osk / t_skipnone - r) / (1 - r)`` with ``r`` = realised / stage-1 budget (the
-per-block model ignores each tile's fixed cost; None when under 5% of the listed blocks are skipped).
+the chain overlap, so the stages sum to more than the row's time). The CoSA rows of a layer are
+timed together in interleaved rounds, and so are its OSK rows (each row keeps its ``rounds_ms``):
+the ratios below are medians of per-round ratios, which a few percent of drift between rows timed
+one after another would otherwise decide. ``skip_gain`` is the skip-off time over the skip-on time
+(above 1: the skip pays), on the ``cosa`` row from cosa-noskip, on the ``osk`` row from osk-noskip.
+The ``osk`` row also carries two ratios from the three OSK times on the native lists:
+``skip_tax``, the skip-none time over the skip-off time (what the skip machinery costs the blocks
+that are computed; 1 when free), and ``skip_cost``, what a skipped block costs as a share of a
+computed one with the machinery on: ``(t_osk / t_skipnone - r) / (1 - r)`` with ``r`` = realised /
+stage-1 budget (the per-block model ignores each tile's fixed cost; None when under 5% of the listed
+blocks are skipped).
 
 With ``--lists-only`` nothing is timed, and the run needs no GPU (``--device cpu`` captures on the CPU
 and computes the lists with the ops' CPU path, the PyTorch reference): per layer only the ``kap`` and
