@@ -302,7 +302,7 @@ class LayerRun:
         rows = self.add_interleaved(layer, runs, check,
                                     lambda impl, output: (output[1]["stage1_budget"], output[1]["realised_budget"]))
         if "cosa" in rows and "cosa-noskip" in rows:
-            rows["cosa"]["skip_gain"] = paired_ratio(rows["cosa-noskip"]["rounds_ms"], rows["cosa"]["rounds_ms"])
+            rows["cosa"]["skip_gain"] = skip_gain(rows["cosa"], rows["cosa-noskip"])
 
     def kap_rows(self, layer, s: InputSet, check: Check, scale):
         """KAP alone at each proxy precision (rows ``kap``, ``kap-fp8``), the fp8 row with how its lists
@@ -345,6 +345,11 @@ class LayerRun:
 # ---------------------------------------------------------------------------------------------
 
 
+def skip_gain(skip_on: dict, skip_off: dict) -> float:
+    """The skip-off row's time over the skip-on row's, from their paired rounds (above 1: the skip pays)."""
+    return paired_ratio(skip_off["rounds_ms"], skip_on["rounds_ms"])
+
+
 def skip_ratios(osk: dict, noskip: dict, skipnone: dict) -> dict:
     """``skip_gain``, ``skip_tax`` and ``skip_cost`` (module docstring) of OSK's rows at the defaults,
     with the skip off and with nothing skipped, all on the same lists, each from paired rounds."""
@@ -352,7 +357,7 @@ def skip_ratios(osk: dict, noskip: dict, skipnone: dict) -> dict:
     skip_cost = None
     if 1 - computed >= MIN_SKIPPED_SHARE:
         skip_cost = (paired_ratio(osk["rounds_ms"], skipnone["rounds_ms"]) - computed) / (1 - computed)
-    return {"skip_gain": paired_ratio(noskip["rounds_ms"], osk["rounds_ms"]),
+    return {"skip_gain": skip_gain(osk, noskip),
             "skip_tax": paired_ratio(skipnone["rounds_ms"], noskip["rounds_ms"]), "skip_cost": skip_cost}
 
 
