@@ -16,6 +16,9 @@ VOTE = "warpgroup"  # who decides a skip together: each 64-row half of a tile ("
 # fp8 proxy where the longest key sequence has at least FP8_PROXY_MIN_KEYS tokens, the native one below.
 PROXY_PRECISION = "auto"
 FP8_PROXY_MIN_KEYS = 16384
+# The fp8 proxy centres each sequence's keys on the channel midpoints of every KEY_CENTRE_STRIDE-th key
+# (tokens 0, KEY_CENTRE_STRIDE, 2 * KEY_CENTRE_STRIDE, ...): spec section 2.
+KEY_CENTRE_STRIDE = 8
 
 # As the op schemas spell them: each entry becomes the macro COSA_DEFAULT_<NAME> of the header.
 SCHEMA_DEFAULTS = {"STRIDE": STRIDE, "TOP_P": TOP_P, "SOFTMAX_SCALE": SOFTMAX_SCALE, "DELTA": DELTA, "VOTE": VOTE,
@@ -38,7 +41,9 @@ def c_header() -> str:
               f"#define COSA_DEFAULT_VOTE_SCOPE {vote_enumerators[VOTE]}",
               f"#define COSA_DEFAULT_PROXY_PRECISION_ENUM {precision_enumerators[PROXY_PRECISION]}",
               "", "// proxy_precision \"auto\" takes the fp8 proxy from this many keys (the longest sequence's).",
-              f"#define COSA_FP8_PROXY_MIN_KEYS {FP8_PROXY_MIN_KEYS}"]
+              f"#define COSA_FP8_PROXY_MIN_KEYS {FP8_PROXY_MIN_KEYS}",
+              "", "// The fp8 proxy centres the keys on the channel midpoints of every this-many-th key.",
+              f"#define COSA_KEY_CENTRE_STRIDE {KEY_CENTRE_STRIDE}"]
     return "\n".join(lines) + "\n"
 
 

@@ -173,11 +173,12 @@ def e4m3_block_values(x: torch.Tensor) -> torch.Tensor:
 
 
 def key_centres(k: torch.Tensor) -> torch.Tensor:
-    """Per head and channel of one sequence's keys ``k [Lk, Hkv, d]``, the midpoint of their finite
-    values over the tokens, ``max / 2 + min / 2`` in float32, ``[1, Hkv, d]`` (0 where a channel has
-    no finite value): what the fp8 proxy subtracts from the keys before quantising them (spec
-    section 2, proxy precision). Order-independent, so the kernels reproduce it bit for bit."""
-    kf = k.float()
+    """Per head and channel of one sequence's keys ``k [Lk, Hkv, d]``, the midpoint of the finite
+    values of keys 0, KEY_CENTRE_STRIDE, 2 * KEY_CENTRE_STRIDE, ..., ``max / 2 + min / 2`` in float32,
+    ``[1, Hkv, d]`` (0 where a channel has no finite value there): what the fp8 proxy subtracts from
+    the keys before quantising them (spec section 2, proxy precision). Order-independent, so the
+    kernels reproduce it bit for bit."""
+    kf = k[::defaults.KEY_CENTRE_STRIDE].float()
     finite = torch.isfinite(kf)
     high = kf.masked_fill(~finite, -math.inf).amax(0, keepdim=True)
     low = kf.masked_fill(~finite, math.inf).amin(0, keepdim=True)

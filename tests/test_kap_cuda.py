@@ -343,9 +343,8 @@ def test_fp8_nan_poisons_its_block(ops):
     assert kept_set_iou(order, counts, ref_order, ref_counts) >= 0.99
 
 
-# The key-range pass gives a CTA 1, 2 or 4 key blocks, fewer where 4 would leave under two CTAs per
-# SM (kap_api.cu): with sequence 0's 40 key blocks, 2, 8 and 16 KV heads take 1, 2 and 4 blocks per
-# CTA on a 132-SM H200 (other GPUs may draw the lines elsewhere; every case must hold on any).
+# A key-range CTA folds 128 sampled keys, 1024 tokens (kap_quantize_kernel.cuh): the 4- and 34-block
+# prefixes give sequence 0 two and five CTAs per KV head, whose ranges the atomics merge.
 @pytest.mark.parametrize("d,page_size,hkv,prefix_blocks",
                          [(128, 16, 2, 4), (64, 128, 2, 4), (128, 128, 2, 34), (128, 128, 8, 34),
                           (128, 64, 16, 34)])
@@ -354,7 +353,7 @@ def test_fp8_lists_do_not_move_with_a_key_offset_per_channel(ops, d, page_size, 
     (spec section 2), so an offset per (sequence, KV head, channel) leaves its lists bitwise as they
     were: values on a grid of 1/8 in float16, where adding the offset, the channel midpoints and the
     centring are all exact. Uncentred, or centred with another sequence's or head's range (or with a
-    range that missed some of the sequence's key blocks), the offset would change the e4m3 values."""
+    range that missed some of the sequence's sampled keys), the offset would change the e4m3 values."""
     # The cached prefix is a whole number of blocks.
     lens_q, lens_k = [700, 300], [700 + prefix_blocks * 128, 300]
     p = problem(lens_q, lens_k, hq=2 * hkv, hkv=hkv, d=d, page_size=page_size, dtype=torch.float16,
@@ -375,6 +374,37 @@ def test_fp8_lists_do_not_move_with_a_key_offset_per_channel(ops, d, page_size, 
     shifted_order, shifted_counts = kap(ops, shifted, 8, proxy_precision="fp8")
     assert torch.equal(counts, shifted_counts)
     assert torch.equal(order, shifted_order)
+
+
+def full_range_key_centres(k):
+    """The channel midpoints over every key, not the spec's sample: what the next test must tell apart."""
+    kf = k.float()
+    finite = torch.isfinite(kf)
+    high = kf.masked_fill(~finite, -math.inf).amax(0, keepdim=True)
+    low = kf.masked_fill(~finite, math.inf).amin(0, keepdim=True)
+    centre = high * 0.5 + low * 0.5
+    return torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
+
+
+@pytest.mark.parametrize("d,page_size", [(128, 16), (64, 64)])
+def test_fp8_keys_centred_on_the_sampled_keys(ops, d, page_size, monkeypatch):
+    """The centre comes from keys 0, 8, 16, ... alone (spec section 2). Here one key off that sample,
+    in key block 1, holds 2^24 in a channel that every query zeroes: centred on the sample, only block
+    1's amax is that large (its keys round to zero in e4m3); a centre from every key would shift that
+    channel by 2^23 in every block and leave no block's scores. The kernel's lists must be the
+    reference's, and far from those of the full-range centre (which shows that the case tells the
+    two apart)."""
+    p = problem([1900, 300], [1900 + 256, 300], hq=4, hkv=2, d=d, page_size=page_size, structure="needles", seed=3)
+    p["q"][..., 5] = 0
+    key = R.BLOCK + defaults.KEY_CENTRE_STRIDE // 2  # between two sampled keys
+    for b in range(2):
+        page = int(p["page_table"][b, key // page_size])
+        p["k_cache"][page, key % page_size, :, 5] = 2.0**24
+    assert_fp8_agrees(ops, p, 8)
+    order, counts = kap(ops, p, 8, proxy_precision="fp8")
+    monkeypatch.setattr(R, "key_centres", full_range_key_centres)
+    full_order, full_counts = R.kap(*kap_layout_args(p), stride=8, proxy_precision="fp8")
+    assert kept_set_iou(order, counts, full_order, full_counts) < 0.8
 
 
 def first_sequence(p):

@@ -310,10 +310,12 @@ def test_auto_proxy_is_fp8_from_the_threshold_on(longest_keys, chosen):
     assert not torch.equal(auto, R.kap_scores(*args, proxy_precision={"native": "fp8", "fp8": "native"}[chosen])[0])
 
 
-def test_key_centres_are_the_midpoints_of_the_finite_values():
-    k = torch.tensor([[[1.0, -2.0, math.nan, math.inf]],
-                      [[3.0, 6.0, math.nan, -7.0]],
-                      [[-5.0, 0.5, math.nan, 9.0]]])  # [Lk 3, Hkv 1, d 4]
+def test_key_centres_are_the_midpoints_of_the_finite_sampled_keys():
+    stride = defaults.KEY_CENTRE_STRIDE
+    k = torch.full((2 * stride + 1, 1, 4), 1000.0)  # [Lk, Hkv 1, d 4]; keys off the sample: ignored
+    k[0::stride, 0] = torch.tensor([[1.0, -2.0, math.nan, math.inf],
+                                    [3.0, 6.0, math.nan, -7.0],
+                                    [-5.0, 0.5, math.nan, 9.0]])
     centres = R.key_centres(k)
     assert centres.shape == (1, 1, 4)
     # -inf and NaN are passed over; a channel with no finite value is centred on 0.

@@ -167,7 +167,7 @@ template <class Element, int kHeadDim>
 cudaError_t launch_quantize(const KapDeviceArgs& args, cudaStream_t stream) {
   const PagedLayout& L = args.layout;
   const dim3 range_grid(static_cast<unsigned>(
-      L.batch * range_groups_per_seq(L.max_k_blocks, args.range_key_blocks) * L.num_heads_kv));
+      L.batch * range_ctas_per_seq(L.max_k_blocks) * L.num_heads_kv));
   const cudaError_t err = launch_dependent(kap_key_range_kernel<Element, kHeadDim>, range_grid,
                                            dim3(kRangeThreads), 0, stream, args);
   if (err != cudaSuccess) return err;
@@ -250,17 +250,6 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
     const int64_t per_unit = causal_work(args.tile_cols) / (2 * static_cast<int64_t>(num_sms));
     args.col_tiles_per_unit = static_cast<int>(
         per_unit < 1 ? 1 : (per_unit > kap::kMaxColTilesPerUnit ? kap::kMaxColTilesPerUnit : per_unit));
-    // Key-range CTAs (fp8 proxy): up to four key blocks each, fewer where that leaves under two
-    // CTAs per SM, so that short contexts do not run a few CTAs through several blocks in turn.
-    auto range_ctas = [&](int blocks_per_cta) {
-      return static_cast<int64_t>(layout.batch) * layout.num_heads_kv *
-             kap::range_groups_per_seq(layout.max_k_blocks, blocks_per_cta);
-    };
-    args.range_key_blocks = kap::kRangeKeyBlocksMax;
-    while (args.range_key_blocks > 1 &&
-           range_ctas(args.range_key_blocks) < 2 * static_cast<int64_t>(num_sms)) {
-      args.range_key_blocks /= 2;
-    }
   }
 
   // The first head chunk has heads_per_chunk heads (heads_per_chunk <= num_heads_q); with the e4m3

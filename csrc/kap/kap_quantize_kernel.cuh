@@ -1,11 +1,12 @@
 // The e4m3 proxy's quantisation pass (spec section 2, proxy precision), two kernels. The range
-// kernel folds each key channel's finite maximum and minimum over a sequence into the workspace
-// (per KV head); the quantise kernel centres the keys on the midpoint of that range, then per
-// 128-token block and head takes amax = max |x| over the block's tokens (NaN if any is NaN),
-// scale = amax / 448 (1 for an all-zero block), and e4m3(x * (448 / amax)) rounded to nearest even
-// with saturation, written to the workspace for the scoring kernel. Queries are blocked from the
-// first query of each sequence, keys from token 0; every step is one IEEE float32 operation (no
-// fast-math division, no contraction) so that cosa.reference can reproduce every byte.
+// kernel folds each key channel's finite maximum and minimum over a sample of a sequence's keys
+// (every COSA_KEY_CENTRE_STRIDE-th) into the workspace (per KV head); the quantise kernel centres
+// the keys on the midpoint of that range, then per 128-token block and head takes amax = max |x|
+// over the block's tokens (NaN if any is NaN), scale = amax / 448 (1 for an all-zero block), and
+// e4m3(x * (448 / amax)) rounded to nearest even with saturation, written to the workspace for the
+// scoring kernel. Queries are blocked from the first query of each sequence, keys from token 0;
+// every step is one IEEE float32 operation (no fast-math division, no contraction) so that
+// cosa.reference can reproduce every byte.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -36,29 +37,28 @@ __device__ __forceinline__ float2 to_float2<__half>(const __half* pair) {
 }
 
 constexpr int kRangeThreads = 128;
-constexpr int kRangeKeyBlocksMax = 4;  // key blocks per range CTA, at most
+constexpr int kCentreStride = COSA_KEY_CENTRE_STRIDE;  // the centre's sample: every this-many-th key
+constexpr int kRangeKeysPerCta = 128;                   // sampled keys one key-range CTA folds
 
-// Key-range CTAs per sequence and KV head (grid x = batch times this): the one mapping that the
-// launch, its sizing and the kernel share.
-__host__ __device__ __forceinline__ int range_groups_per_seq(int max_k_blocks, int blocks_per_cta) {
-  return (max_k_blocks + blocks_per_cta - 1) / blocks_per_cta;
+// Key-range CTAs per sequence and KV head (grid x = batch times this times Hkv): the one mapping
+// that the launch and the kernel share.
+__host__ __device__ __forceinline__ int range_ctas_per_seq(int max_k_blocks) {
+  constexpr int kTokensPerCta = kRangeKeysPerCta * kCentreStride;
+  return (max_k_blocks * kBlockSize + kTokensPerCta - 1) / kTokensPerCta;
 }
 
-// Grid: x over (sequence, group of args.range_key_blocks key blocks: four, or fewer where four would
-// leave under two CTAs per SM, KV head), the head fastest, so that the CTAs in flight together read
-// whole token rows of the pages, and in the order that the quantisation pass walks backwards (it
-// then finds the last keys read here in L2). Each thread owns one 16-byte chunk (8 channels) of
-// every (128 / chunks per row)-th key; per key block all of its loads are issued before any is
-// folded, so that the CTA has a whole block in flight (with fewer bytes in flight the pass is bound
-// by memory latency, not bandwidth). Finite values fold into
-// per-channel maxima and minima (NaN and infinities skipped), the warps' through shared memory;
-// then one thread per channel adds the CTA's range to the sequence's words as atomic maxima of
-// order-preserving bits, so that the range does not depend on the order of the CTAs (the index
-// kernel zeroed the words, and 0 lies below every float's bits). Atomics on the same words
-// serialise: with a CTA per key block and an atomic per warp and channel (sixteen times the
-// atomics of four-block CTAs) the pass cost 0.23 ms of KAP at 32K tokens and 8 KV heads on an
-// H200; this one about 0.03 ms. Where short contexts take fewer blocks per CTA, the count of atomics
-// per word stays that of 32K tokens.
+// The range that centres the keys (spec section 2): per sequence, KV head and channel, the finite
+// maximum and minimum over the sequence's keys 0, kCentreStride, 2 * kCentreStride, ... Any centre
+// moves all proxy logits of a query row alike, so a sample serves as well as every key, and reads
+// 1 / kCentreStride of the bytes (the pass over every key took 0.024 of KAP's 0.72 ms at 32K tokens and 8 KV
+// heads on an H200). Grid: x over (sequence, group of kRangeKeysPerCta sampled keys, KV head), the
+// head fastest, so that the CTAs in flight together read whole token rows of the pages. Each thread
+// owns one 16-byte chunk (8 channels) of every (128 / chunks per row)-th sampled key, and issues all
+// of its loads before folding any (one memory latency per CTA). Finite values fold into per-channel
+// maxima and minima (NaN and infinities skipped), the warps' through shared memory; then one thread
+// per channel adds the CTA's range to the sequence's words as atomic maxima of order-preserving
+// bits, so that the range does not depend on the order of the CTAs (the index kernel zeroed the
+// words, and 0 lies below every float's bits).
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kRangeThreads)
     kap_key_range_kernel(const KapDeviceArgs args) {
@@ -66,67 +66,62 @@ __global__ void __launch_bounds__(kRangeThreads)
   cudaTriggerProgrammaticLaunchCompletion();
   if (inputs_rejected(args.layout)) return;
   constexpr int kChunks = kHeadDim / 8;                  // 16-byte chunks of a key row
-  constexpr int kKeysPerPass = kRangeThreads / kChunks;  // keys the CTA reads at once
-  constexpr int kPasses = kBlockSize / kKeysPerPass;
+  constexpr int kKeysPerPass = kRangeThreads / kChunks;  // sampled keys the CTA reads at once
+  constexpr int kPasses = kRangeKeysPerCta / kKeysPerPass;
   constexpr int kWarps = kRangeThreads / 32;
   static_assert(32 % kChunks == 0, "a warp holds whole rows");
   static_assert(kHeadDim <= kRangeThreads, "one thread per channel folds the warps");
   const PagedLayout& L = args.layout;
-  const int blocks_per_cta = args.range_key_blocks;
-  const int groups_per_seq = range_groups_per_seq(L.max_k_blocks, blocks_per_cta);
+  const int ctas_per_seq = range_ctas_per_seq(L.max_k_blocks);
   const int head = static_cast<int>(blockIdx.x % L.num_heads_kv);
-  const int b = static_cast<int>(blockIdx.x / L.num_heads_kv) / groups_per_seq;
-  const int group = static_cast<int>(blockIdx.x / L.num_heads_kv) % groups_per_seq;
+  const int b = static_cast<int>(blockIdx.x / L.num_heads_kv) / ctas_per_seq;
+  const int group = static_cast<int>(blockIdx.x / L.num_heads_kv) % ctas_per_seq;
   const int len_k = __ldg(L.seqused_k + b);
-  const int group_first = group * blocks_per_cta * kBlockSize;
-  if (group_first >= len_k) return;
+  const int first_key = group * kRangeKeysPerCta * kCentreStride;
+  if (first_key >= len_k) return;
   const int tid = static_cast<int>(threadIdx.x);
   const int chunk = tid % kChunks;
   const Element* cache = static_cast<const Element*>(L.k_cache) + head * L.k_head_stride + chunk * 8;
   const int32_t* pages = L.page_table + static_cast<int64_t>(b) * L.page_table_stride;
   const KeyPaging paging = key_paging(L);
+  auto pass_key = [&](int pass) { return first_key + (pass * kKeysPerPass + tid / kChunks) * kCentreStride; };
+  // The page numbers first, then the keys: issued in one loop, each key's load would wait for its
+  // page number, one memory latency per pass.
+  int page[kPasses];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int key = pass_key(pass);
+    page[pass] = key < len_k ? __ldg(pages + paging.page_index(key)) : -1;
+  }
+  uint4 raw[kPasses];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    raw[pass] = make_uint4(0u, 0u, 0u, 0u);
+    if (page[pass] >= 0) {
+      raw[pass] = *reinterpret_cast<const uint4*>(cache + static_cast<int64_t>(page[pass]) * L.k_page_stride +
+                                                  paging.row(pass_key(pass)) * L.k_row_stride);
+    }
+  }
   float high[8], low[8];
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     high[c] = -INFINITY;
     low[c] = INFINITY;
   }
-#pragma unroll 1
-  for (int first = group_first; first < min(len_k, group_first + blocks_per_cta * kBlockSize);
-       first += kBlockSize) {
-    // The page numbers first, then the keys: issued in one loop, each key's load would wait for
-    // its page number, one memory latency per pass.
-    int page[kPasses];
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int key = first + pass * kKeysPerPass + tid / kChunks;
-      page[pass] = key < len_k ? __ldg(pages + paging.page_index(key)) : -1;
-    }
-    uint4 raw[kPasses];
+  for (int pass = 0; pass < kPasses; ++pass) {
+    if (page[pass] < 0) continue;  // past len_k: not a key
+    const Element* e = reinterpret_cast<const Element*>(&raw[pass]);
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int key = first + pass * kKeysPerPass + tid / kChunks;
-      raw[pass] = make_uint4(0u, 0u, 0u, 0u);
-      if (page[pass] >= 0) {
-        raw[pass] = *reinterpret_cast<const uint4*>(cache + static_cast<int64_t>(page[pass]) * L.k_page_stride +
-                                                    paging.row(key) * L.k_row_stride);
+    for (int p = 0; p < 4; ++p) {
+      const float2 v = to_float2<Element>(e + 2 * p);
+      if (isfinite(v.x)) {
+        high[2 * p] = fmaxf(high[2 * p], v.x);
+        low[2 * p] = fminf(low[2 * p], v.x);
       }
-    }
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      if (first + pass * kKeysPerPass + tid / kChunks >= len_k) break;  // past len_k: not a key
-      const Element* e = reinterpret_cast<const Element*>(&raw[pass]);
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const float2 v = to_float2<Element>(e + 2 * p);
-        if (isfinite(v.x)) {
-          high[2 * p] = fmaxf(high[2 * p], v.x);
-          low[2 * p] = fminf(low[2 * p], v.x);
-        }
-        if (isfinite(v.y)) {
-          high[2 * p + 1] = fmaxf(high[2 * p + 1], v.y);
-          low[2 * p + 1] = fminf(low[2 * p + 1], v.y);
-        }
+      if (isfinite(v.y)) {
+        high[2 * p + 1] = fmaxf(high[2 * p + 1], v.y);
+        low[2 * p + 1] = fminf(low[2 * p + 1], v.y);
       }
     }
   }
@@ -184,7 +179,8 @@ __host__ __device__ __forceinline__ int64_t quantize_ctas(const PagedLayout& L) 
 // Grid: x over (key block of batch * max_k_blocks, KV head) pairs, the last key block first, then
 // (packed query block, query head) pairs, the head varying fastest in both. The keys come first and
 // backwards because the range pass, which reads them in the same head-fastest order, has just read
-// the last ones, which may still be in L2 (0.4-1.2% of KAP at 16K-32K tokens on an H200). With the
+// the last ones, which may still be in L2 (0.4-1.2% of KAP at 16K-32K tokens on an H200 when that
+// pass read every key; it now reads a sample, an eighth of their lines). With the
 // head fastest, the CTAs in flight together read whole token rows of q and of the pages (with the
 // head slowest, each head's CTAs came back to the same rows far apart in time; 1.4% of KAP at 32K).
 // Each thread owns one 16-byte chunk (8 channels) of every (128 / chunks per token)-th token of the

@@ -153,7 +153,6 @@ struct KapDeviceArgs {
   int num_tiles = 0;    // grid bound of the scoring kernel: row tiles
   int tile_cols = 256;         // scoring column tile: 128 or 256
   int col_tiles_per_unit = 1;  // column tiles one scoring CTA walks
-  int range_key_blocks = 4;    // key blocks one key-range CTA folds (fp8 proxy): 1, 2 or 4
   float top_p = 0.95f;
   int32_t* order = nullptr;
   int32_t* counts = nullptr;
