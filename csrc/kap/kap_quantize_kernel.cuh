@@ -49,18 +49,18 @@ __host__ __device__ __forceinline__ int range_ctas_per_seq(int max_k_blocks) {
 
 // The range that centres the keys (spec section 2): per sequence, KV head and channel, the finite
 // maximum and minimum over the sequence's keys 0, kCentreStride, 2 * kCentreStride, ... Any centre
-// moves all proxy logits of a query row alike, so a sample serves as well as every key, and reads 1
-// / kCentreStride of the bytes (the pass over every key took 0.023 of KAP's 0.71 ms at 32K tokens
-// and 8 KV heads on an H200, the sample 0.008). Atomics on one word serialise: at 1M tokens a word
-// takes 1024 of them, as many as a pass with a CTA per key block once gave each word at 32K (0.23
-// ms), against KAP's 0.7 s there. Grid: x over (sequence, group of kRangeKeysPerCta sampled keys,
-// KV head), the head fastest, so that the CTAs in flight together read whole token rows of the
-// pages. Each thread owns one 16-byte chunk (8 channels) of every (128 / chunks per row)-th sampled
-// key, and issues all of its loads before folding any (one memory latency per CTA). Finite values
-// fold into per-channel maxima and minima (NaN and infinities skipped), the warps' through shared
-// memory; then one thread per channel adds the CTA's range to the sequence's words as atomic maxima
-// of order-preserving bits, so that the range does not depend on the order of the CTAs (the index
-// kernel zeroed the words, and 0 lies below every float's bits).
+// moves all proxy logits of a query row alike, so a sample serves as well as every key, and reads
+// one kCentreStride-th of the bytes (the pass over every key took 0.023 of KAP's 0.71 ms at 32K
+// tokens and 8 KV heads on an H200, the sample 0.008). Atomics on one word serialise: at 1M tokens
+// a word takes 1024 of them, as many as a pass with a CTA per key block once gave each word at 32K
+// (0.23 ms), against KAP's 0.7 s there. Grid: x over (sequence, group of kRangeKeysPerCta sampled
+// keys, KV head), the head fastest, so that the CTAs in flight together read whole token rows of
+// the pages. Each thread owns one 16-byte chunk (8 channels) of every (128 / chunks per row)-th
+// sampled key, and issues all of its loads before folding any (one memory latency per CTA). Finite
+// values fold into per-channel maxima and minima (NaN and infinities skipped), the warps' through
+// shared memory; then one thread per channel adds the CTA's range to the sequence's words as atomic
+// maxima of order-preserving bits, so that the range does not depend on the order of the CTAs (the
+// index kernel zeroed the words, and 0 lies below every float's bits).
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kRangeThreads)
     kap_key_range_kernel(const KapDeviceArgs args) {
