@@ -172,18 +172,23 @@ def e4m3_block_values(x: torch.Tensor) -> torch.Tensor:
     return values.reshape(rows, heads, dim)[:length]
 
 
-def key_centres(k: torch.Tensor) -> torch.Tensor:
-    """Per head and channel of one sequence's keys ``k [Lk, Hkv, d]``, the midpoint of the finite
-    values of keys 0, KEY_CENTRE_STRIDE, 2 * KEY_CENTRE_STRIDE, ..., ``max / 2 + min / 2`` in float32,
-    ``[1, Hkv, d]`` (0 where a channel has no finite value there): what the fp8 proxy subtracts from
-    the keys before quantising them (spec section 2, proxy precision). Order-independent, so the
-    kernels reproduce it bit for bit."""
-    kf = k[::defaults.KEY_CENTRE_STRIDE].float()
-    finite = torch.isfinite(kf)
-    high = kf.masked_fill(~finite, -math.inf).amax(0, keepdim=True)
-    low = kf.masked_fill(~finite, math.inf).amin(0, keepdim=True)
+def channel_midpoints(x: torch.Tensor) -> torch.Tensor:
+    """Per head and channel of ``x [L, H, d]``, the midpoint of the finite values over the L rows,
+    ``max / 2 + min / 2`` in float32, ``[1, H, d]`` (0 where a channel has no finite value).
+    Order-independent, so the kernels reproduce it bit for bit."""
+    xf = x.float()
+    finite = torch.isfinite(xf)
+    high = xf.masked_fill(~finite, -math.inf).amax(0, keepdim=True)
+    low = xf.masked_fill(~finite, math.inf).amin(0, keepdim=True)
     centre = high * 0.5 + low * 0.5
     return torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
+
+
+def key_centres(k: torch.Tensor) -> torch.Tensor:
+    """What the fp8 proxy subtracts from one sequence's keys ``k [Lk, Hkv, d]`` before quantising
+    them (spec section 2, proxy precision): the channel_midpoints of keys 0, KEY_CENTRE_STRIDE,
+    2 * KEY_CENTRE_STRIDE, ..., ``[1, Hkv, d]``."""
+    return channel_midpoints(k[::defaults.KEY_CENTRE_STRIDE])
 
 
 def _proxy_operand(x: torch.Tensor, proxy_precision: str, dt: torch.dtype, keys: bool = False) -> torch.Tensor:

@@ -376,24 +376,14 @@ def test_fp8_lists_do_not_move_with_a_key_offset_per_channel(ops, d, page_size, 
     assert torch.equal(order, shifted_order)
 
 
-def full_range_key_centres(k):
-    """The channel midpoints over every key, not the spec's sample: what the next test must tell apart."""
-    kf = k.float()
-    finite = torch.isfinite(kf)
-    high = kf.masked_fill(~finite, -math.inf).amax(0, keepdim=True)
-    low = kf.masked_fill(~finite, math.inf).amin(0, keepdim=True)
-    centre = high * 0.5 + low * 0.5
-    return torch.where(torch.isfinite(centre), centre, torch.zeros_like(centre))
-
-
 @pytest.mark.parametrize("d,page_size", [(128, 16), (64, 64)])
 def test_fp8_keys_centred_on_the_sampled_keys(ops, d, page_size, monkeypatch):
-    """The centre comes from keys 0, 8, 16, ... alone (spec section 2). Here one key off that sample,
-    in key block 1, holds 2^24 in a channel that every query zeroes: centred on the sample, only block
-    1's amax is that large (its keys round to zero in e4m3); a centre from every key would shift that
-    channel by 2^23 in every block and leave no block's scores. The kernel's lists must be the
-    reference's, and far from those of the full-range centre (which shows that the case tells the
-    two apart)."""
+    """The centre comes from keys 0, 8, 16, ... alone (spec section 2). Here a key between two sampled
+    ones, in key block 1, holds 2^24 in a channel that every query zeroes: centred on the sample,
+    only block 1's amax is that large (its keys round to zero in e4m3); a centre from every key
+    would shift that channel by 2^23 in every block and leave no block's scores. The kernel's lists
+    must be the reference's, and far from those of the full-range centre (which shows that the case
+    tells the two apart)."""
     p = problem([1900, 300], [1900 + 256, 300], hq=4, hkv=2, d=d, page_size=page_size, structure="needles", seed=3)
     p["q"][..., 5] = 0
     key = R.BLOCK + defaults.KEY_CENTRE_STRIDE // 2  # between two sampled keys
@@ -402,7 +392,7 @@ def test_fp8_keys_centred_on_the_sampled_keys(ops, d, page_size, monkeypatch):
         p["k_cache"][page, key % page_size, :, 5] = 2.0**24
     assert_fp8_agrees(ops, p, 8)
     order, counts = kap(ops, p, 8, proxy_precision="fp8")
-    monkeypatch.setattr(R, "key_centres", full_range_key_centres)
+    monkeypatch.setattr(R, "key_centres", R.channel_midpoints)  # the range of every key
     full_order, full_counts = R.kap(*kap_layout_args(p), stride=8, proxy_precision="fp8")
     assert kept_set_iou(order, counts, full_order, full_counts) < 0.8
 
