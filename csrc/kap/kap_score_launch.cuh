@@ -5,6 +5,7 @@
 #include "common/tensor_map.h"
 #include "kap/kap_launch.h"
 #include "kap/kap_score_kernel.cuh"
+#include "kap/kap_score_split_kernel.cuh"
 
 namespace cosa::kap {
 
@@ -30,8 +31,36 @@ inline cudaError_t encode_copy_tensor_map(CUtensorMap* map, void* base, int64_t 
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The split kernel over the launch's 256-column units (kap_score_split_kernel.cuh).
+template <int kStride>
+cudaError_t launch_score_split(const KapDeviceArgs& args, cudaStream_t stream) {
+  using Tile = SplitScoreTile<kStride>;
+  auto kernel = kap_score_split_kernel<kStride>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  constexpr int kUnitCols = 256;
+  const int max_col_tiles =
+      ((args.layout.max_seqlen_k + kStride - 1) / kStride + kUnitCols - 1) / kUnitCols;
+  const int num_units = (max_col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit;
+  const dim3 grid(args.head_count, num_units, args.num_tiles);
+  const PagedLayout& L = args.layout;
+  constexpr int kGroupsPerBlock = kBlockSize / kStride;
+  ScoreOperandMaps maps = {};
+  err = encode_copy_tensor_map(&maps.q, args.q8, int64_t(L.num_q_blocks) * kGroupsPerBlock,
+                               L.num_heads_q, kStride, kTileRows);
+  if (err != cudaSuccess) return err;
+  err = encode_copy_tensor_map(&maps.k, args.k8, int64_t(L.batch) * L.max_k_blocks * kGroupsPerBlock,
+                               L.num_heads_kv, kStride, Tile::kHalfCols);
+  if (err != cudaSuccess) return err;
+  return launch_dependent(kernel, grid, dim3(kScoreThreads), Tile::kSmemBytes, stream, args, maps);
+}
+
 template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
 cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
+  if constexpr (kCols == 256 && kSplitScoring<kElement, kHeadDim, kStride>) {
+    return launch_score_split<kStride>(args, stream);
+  }
   using Tile = ScoreTile<kCols>;
   auto kernel = kap_score_kernel<kElement, kHeadDim, kStride, kCols>;
   cudaError_t err =

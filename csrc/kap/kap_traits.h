@@ -66,6 +66,22 @@ struct ScoreTile {
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
 };
+// The split scoring kernel (kap_score_split_kernel.cuh), for the e4m3 copies at d = 128 and s <= 8:
+// the query tile's s K slices resident in shared memory, beside a ring of 128-column key stages per
+// consumer warpgroup (three at s = 8, four at s = 4).
+template <ProxyElement kElement, int kHeadDim, int kStride>
+constexpr bool kSplitScoring = kTmaOperands<kElement, kHeadDim> && kStride <= 8;
+template <int kStride>
+struct SplitScoreTile {
+  static constexpr int kSlices = kStride;
+  static constexpr int kHalfCols = 128;
+  static constexpr int kQueryBytes = kSlices * kTileABytes;
+  static constexpr int kStageBytes = kHalfCols * kTileRowBytes;
+  static constexpr int kFittingStages = (227 * 1024 - 2048 - kQueryBytes) / (2 * kStageBytes);
+  static constexpr int kStagesPerWarpgroup = kFittingStages < 4 ? kFittingStages : 4;
+  static constexpr int kSmemBytes = kQueryBytes + 2 * kStagesPerWarpgroup * kStageBytes + 1024;
+  static_assert(kStagesPerWarpgroup >= 2, "two key stages per warpgroup fit beside the query tile");
+};
 // A CTA walks at most kMaxColTilesPerUnit column tiles; shorter units balance short problems.
 constexpr int kMaxColTilesPerUnit = 16;
 
