@@ -43,12 +43,12 @@ cudaError_t launch_score_split(const KapDeviceArgs& args, cudaStream_t stream) {
   const int max_col_tiles =
       ((args.layout.max_seqlen_k + kStride - 1) / kStride + kUnitCols - 1) / kUnitCols;
   const int num_units = (max_col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit;
-  const dim3 grid(args.head_count, num_units, args.num_tiles);
+  const dim3 grid(args.head_count, num_units * (kTileRows / Tile::kCtaRows), args.num_tiles);
   const PagedLayout& L = args.layout;
   constexpr int kGroupsPerBlock = kBlockSize / kStride;
   ScoreOperandMaps maps = {};
   err = encode_copy_tensor_map(&maps.q, args.q8, int64_t(L.num_q_blocks) * kGroupsPerBlock,
-                               L.num_heads_q, kStride, kTileRows);
+                               L.num_heads_q, kStride, Tile::kCtaRows);
   if (err != cudaSuccess) return err;
   err = encode_copy_tensor_map(&maps.k, args.k8, int64_t(L.batch) * L.max_k_blocks * kGroupsPerBlock,
                                L.num_heads_kv, kStride, Tile::kHalfCols);

@@ -44,6 +44,9 @@ template <int kStride>
 __global__ void __launch_bounds__(kScoreThreads, 1)
     kap_score_split_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
   using Tile = SplitScoreTile<kStride>;
+  constexpr int kRows = Tile::kCtaRows;        // stride rows of the CTA: 64 per accumulator
+  constexpr int kAccs = kRows / 64;
+  constexpr int kRowParts = kTileRows / kRows;  // CTAs per row tile and unit
   constexpr int kSteps = Tile::kSlices;         // K slices per column half (one token per group)
   constexpr int kStages = Tile::kStagesPerWarpgroup;
   constexpr int kCols = Tile::kHalfCols;
@@ -68,11 +71,13 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   const int len_k = __ldg(L.seqused_k + b);
   const int prefix_cols = (len_k - len_q) / kStride;  // P / s
   const int num_rows = (len_q + kStride - 1) / kStride;
-  const int row0 = (tile - __ldg(args.tile_start + b)) * kTileRows;
-  const int row_last = min(row0 + kTileRows, num_rows) - 1;
+  const int row_part = static_cast<int>(blockIdx.y) % kRowParts;
+  const int row0 = (tile - __ldg(args.tile_start + b)) * kTileRows + row_part * kRows;
+  if (row0 >= num_rows) return;
+  const int row_last = min(row0 + kRows, num_rows) - 1;
   // The unit's column tiles, counted by the launch 256 columns wide, as 128-column halves; only
   // the halves that hold an allowed column of some row of the tile.
-  const int half_begin = 2 * static_cast<int>(blockIdx.y) * args.col_tiles_per_unit;
+  const int half_begin = 2 * (static_cast<int>(blockIdx.y) / kRowParts) * args.col_tiles_per_unit;
   const int half_end =
       min(half_begin + 2 * args.col_tiles_per_unit, (row_last + prefix_cols) / kCols + 1);
   if (half_end <= half_begin) return;
@@ -85,7 +90,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   const uint32_t smem_base = smem_addr(smem);
   // The query tile's K slices first (slice t: query token s-1-t of every group), then the key
   // stages of warpgroup 0, then those of warpgroup 1.
-  auto query_slice = [&](int slice) { return smem_base + slice * kTileABytes; };
+  auto query_slice = [&](int slice) { return smem_base + slice * Tile::kSliceBytes; };
   auto key_stage = [&](int wg, int stage) {
     return smem_base + Tile::kQueryBytes + (wg * kStages + stage) * Tile::kStageBytes;
   };
@@ -122,7 +127,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     const int steps[2] = {steps_of(0), steps_of(1)};
 #pragma unroll 1
     for (int slice = 0; slice < kSteps; ++slice) {
-      MBarrier::arrive_expect_tx(&query_full[slice], kTileABytes);
+      MBarrier::arrive_expect_tx(&query_full[slice], Tile::kSliceBytes);
       tma_load_4d(query_slice(slice), &maps.q, &query_full[slice], 0, kStride - 1 - slice, head,
                   query_group);
       if (slice < kStages) {
@@ -164,9 +169,9 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
                                                L.max_k_blocks;
   uint32_t* row_max_head = args.row_max + static_cast<int64_t>(blockIdx.x) * args.block_max_rows;
   // Each row's logits scale, sigma / s times its query block's e4m3 scale, fixed for the unit.
-  float row_scale[2][2];
+  float row_scale[kAccs][2];
 #pragma unroll
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < kAccs; ++m) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = min(row_of(m, half), num_rows - 1);
@@ -196,7 +201,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   // publish_block_maxima does the xor-2 exchange, scales and stores bm, and folds each row's best
   // into row_best; it reads no accumulator and runs under the next half's first MMAs.
   struct HalfPairMaxima {
-    float pair[2][2][kGroups / 2];
+    float pair[kAccs][2][kGroups / 2];
   };
   auto half_pair_maxima = [&](const auto& acc, int m, int col0, auto masked,
                               HalfPairMaxima& maxima) {
@@ -228,10 +233,12 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
       }
     }
   };
-  float row_best[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};  // key-scaled, unscaled by row
+  float row_best[kAccs][2];  // key-scaled, not yet by the row's scale
+#pragma unroll
+  for (int m = 0; m < kAccs; ++m) row_best[m][0] = row_best[m][1] = -INFINITY;
   auto publish_block_maxima = [&](int col0, const KeyScales& scales, const HalfPairMaxima& maxima) {
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
+    for (int m = 0; m < kAccs; ++m) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = row_of(m, half);
@@ -263,10 +270,16 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     }
   };
 
-  float acc0[kAccRegs];  // tile rows 0-63 x the half's columns
-  float acc1[kAccRegs];  // tile rows 64-127
+  float acc[kAccs][kAccRegs];  // CTA rows 64 m .. 64 m + 63 x the half's columns
 #pragma unroll
-  for (int i = 0; i < kAccRegs; ++i) acc0[i] = acc1[i] = 0.f;
+  for (int m = 0; m < kAccs; ++m) {
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) acc[m][i] = 0.f;
+  }
+  auto fence_accumulators = [&]() {
+#pragma unroll
+    for (int m = 0; m < kAccs; ++m) wgmma_fence_operands(acc[m]);
+  };
   HalfPairMaxima pending_maxima;
   KeyScales pending_scales;
   int pending_col0 = 0;
@@ -277,19 +290,18 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     MBarrier::wait(&query_full[slice], 0);  // a single phase: at once after the first half
 
     wgmma_fence();
-    wgmma_fence_operands(acc0);
-    wgmma_fence_operands(acc1);
+    fence_accumulators();
     const uint64_t desc_b = sw128_kmajor_desc(key_stage(warpgroup, stage));
-    const uint64_t desc_a0 = sw128_kmajor_desc(query_slice(slice));
-    const uint64_t desc_a1 = sw128_kmajor_desc(query_slice(slice) + 64 * kTileRowBytes);
 #pragma unroll
     for (int k = 0; k < kTileRowBytes / 32; ++k) {  // k32 e4m3 slices of the 128-byte row
-      proxy_mma<ProxyElement::kE4M3, kCols>(acc0, desc_a0 + 2 * k, desc_b + 2 * k, slice > 0 || k > 0);
-      proxy_mma<ProxyElement::kE4M3, kCols>(acc1, desc_a1 + 2 * k, desc_b + 2 * k, slice > 0 || k > 0);
+#pragma unroll
+      for (int m = 0; m < kAccs; ++m) {
+        const uint64_t desc_a = sw128_kmajor_desc(query_slice(slice) + m * 64 * kTileRowBytes);
+        proxy_mma<ProxyElement::kE4M3, kCols>(acc[m], desc_a + 2 * k, desc_b + 2 * k, slice > 0 || k > 0);
+      }
     }
     wgmma_commit();
-    wgmma_fence_operands(acc0);
-    wgmma_fence_operands(acc1);
+    fence_accumulators();
     if (slice == 0 && step > 0) publish_block_maxima(pending_col0, pending_scales, pending_maxima);
     if (slice != kSteps - 1) {
       wgmma_wait<1>();
@@ -299,18 +311,17 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     const int col0 = (first_half_of(warpgroup) + 2 * (step / kSteps)) * kCols;
     const KeyScales scales = load_key_scales(col0);
     wgmma_wait<0>();
-    wgmma_fence_operands(acc0);
-    wgmma_fence_operands(acc1);
+    fence_accumulators();
     release_through(step);
 
     // Only the halves that reach past the first row's causal limit test each column.
     HalfPairMaxima maxima;
     if (col0 + kCols - 1 > row0 + prefix_cols) {
-      half_pair_maxima(acc0, 0, col0, std::true_type{}, maxima);
-      half_pair_maxima(acc1, 1, col0, std::true_type{}, maxima);
+#pragma unroll
+      for (int m = 0; m < kAccs; ++m) half_pair_maxima(acc[m], m, col0, std::true_type{}, maxima);
     } else {
-      half_pair_maxima(acc0, 0, col0, std::false_type{}, maxima);
-      half_pair_maxima(acc1, 1, col0, std::false_type{}, maxima);
+#pragma unroll
+      for (int m = 0; m < kAccs; ++m) half_pair_maxima(acc[m], m, col0, std::false_type{}, maxima);
     }
     pending_maxima = maxima;
     pending_scales = scales;
@@ -321,7 +332,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   publish_block_maxima(pending_col0, pending_scales, pending_maxima);
   // Each row's best over this warpgroup's halves, folded into rm once.
 #pragma unroll
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < kAccs; ++m) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float best = row_best[m][half];

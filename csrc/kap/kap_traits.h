@@ -73,9 +73,11 @@ template <ProxyElement kElement, int kHeadDim, int kStride>
 constexpr bool kSplitScoring = kTmaOperands<kElement, kHeadDim> && kStride <= 8;
 template <int kStride>
 struct SplitScoreTile {
+  static constexpr int kCtaRows = 128;
   static constexpr int kSlices = kStride;
   static constexpr int kHalfCols = 128;
-  static constexpr int kQueryBytes = kSlices * kTileABytes;
+  static constexpr int kSliceBytes = kCtaRows * kTileRowBytes;
+  static constexpr int kQueryBytes = kSlices * kSliceBytes;
   static constexpr int kStageBytes = kHalfCols * kTileRowBytes;
   static constexpr int kFittingStages = (227 * 1024 - 2048 - kQueryBytes) / (2 * kStageBytes);
   static constexpr int kStagesPerWarpgroup = kFittingStages < 4 ? kFittingStages : 4;
