@@ -298,7 +298,7 @@ def paired_difference(values, baseline, resamples: int = 2000, seed: int = 0,
 # KAP's kernels by stage, matched by name in the profiler's trace (csrc/kap, csrc/checks).
 KAP_STAGES = {"checks": ("check_lengths_and_pages", "check_lists"), "index": ("kap_index_kernel",),
               "key_range": ("kap_key_range_kernel",), "quantize": ("kap_quantize_kernel",),
-              "score": ("kap_score_kernel",), "select": ("kap_select_",)}
+              "score": ("kap_score_",), "select": ("kap_select_",)}
 PROFILED_CALLS = 5
 
 

@@ -1,8 +1,9 @@
 // KAP side by side: the whole KAP launch chain of several source trees (bench/kernel_ab.py builds
 // each under its own namespace, variant_entry.cu) run on the same inputs in one process. Inputs:
-// one sequence, random normal bf16 q and k, d 128, pages of 128 tokens shuffled, stride 8, top_p
-// 0.95; the fp8 and the native proxy at 8K, 32K and 128K tokens with 32 query and 8 KV heads (4
-// query heads per KV head), and at 32K with 24 and 4 (6 per KV head). Every variant's lists
+// one sequence, random normal bf16 q and k, d 128, pages of 128 tokens shuffled, stride 8 (4 and
+// 16 in two cases), top_p 0.95; the fp8 and the native proxy at 4K to 128K tokens with 32 query
+// and 8 KV heads (4 query heads per KV head), and at 32K with 24 and 4 (6 per KV head) and with 12
+// and 2. Every variant's lists
 // (order and counts, poisoned before the first run) are compared entry by entry with the first
 // variant's; times are medians of CUDA-event timings, repeated in interleaved rounds. Torch-free.
 //
@@ -42,6 +43,7 @@ struct Case {
   int heads_q;
   int heads_kv;
   cosa::ProxyPrecision precision;
+  int stride = 8;
 };
 
 static const Case kCases[] = {
@@ -54,13 +56,16 @@ static const Case kCases[] = {
     {"fp8-32K-12q-2kv", 32768, 12, 2, cosa::ProxyPrecision::kE4M3},
     // Both proxies at 4K and 8K: where the fp8 one starts to pay (proxy_precision "auto").
     {"fp8-4K", 4096, 32, 8, cosa::ProxyPrecision::kE4M3},
+    // The other strides.
+    {"fp8-32K-stride-4", 32768, 32, 8, cosa::ProxyPrecision::kE4M3, 4},
+    {"fp8-32K-stride-16", 32768, 32, 8, cosa::ProxyPrecision::kE4M3, 16},
     {"native-4K", 4096, 32, 8, cosa::ProxyPrecision::kNative},
     {"native-8K", 8192, 32, 8, cosa::ProxyPrecision::kNative},
     {"native-32K", 32768, 32, 8, cosa::ProxyPrecision::kNative},
 };
 
 int main(int argc, char** argv) {
-  constexpr int kHeadDim = 128, kPageSize = 128, kStride = 8;
+  constexpr int kHeadDim = 128, kPageSize = 128;
   Harness harness(argc, argv, kVariants);
   const std::vector<const char*>& labels = harness.labels;
   const cudaStream_t stream = harness.stream;
@@ -82,7 +87,7 @@ int main(int argc, char** argv) {
 
     cosa::KapParams params;
     params.layout = sequence.layout;
-    params.stride = kStride;
+    params.stride = c.stride;
     params.top_p = 0.95f;
     params.precision = c.precision;
     params.order = order;

@@ -1,6 +1,6 @@
 // KAP selection pass (spec section 2, steps 3-6) per (query head, packed query block): from the
 // block maxima bm[r, j] and row maxima rm[r] of the block's stride rows (written by
-// kap_score_kernel) it forms the scores S[j] = sum_r exp(bm[r, j] - rm[r]) and the HRM flags
+// the scoring kernel) it forms the scores S[j] = sum_r exp(bm[r, j] - rm[r]) and the HRM flags
 // H[j] = any_r bm[r, j] == rm[r]; sorts the candidates j = 0 .. P/128 + i by one packed 64-bit
 // key (H, S bits, inverted j); keeps the shortest prefix whose cumulative S reaches top_p * T
 // (every candidate when top_p >= 1) plus every HRM block, block 0 and the diagonal block; writes

@@ -5,10 +5,11 @@
 //   1. kap_index_kernel: per sequence, the first packed query block and the first scoring tile
 //      (prefix sums over the batch, so that no host synchronisation is needed); its other CTAs
 //      zero the rm buffer of the first head chunk;
-//   2. kap_score_kernel (kap_score_kernel.cuh): the strided proxy GEMM Qs Ks^T on tensor cores;
-//      its epilogue reduces each stride row's logits to the per-key-block maxima bm[r, j], stores
-//      them in the workspace and folds them into the row maxima rm[r] (one atomic max per row
-//      and CTA, into a zeroed buffer);
+//   2. kap_score_tma_kernel (kap_score_tma_kernel.cuh; the e4m3 copies at d = 128) or
+//      kap_score_gather_kernel (kap_score_gather_kernel.cuh; the other operands): the strided proxy
+//      GEMM Qs Ks^T on tensor cores; its epilogue reduces each stride row's logits to the
+//      per-key-block maxima bm[r, j], stores them in the workspace and folds them into the row
+//      maxima rm[r] (atomic maxima, into a zeroed buffer);
 //   3. kap_select_*_kernel (kap_select_kernel.cuh): per (query head, query block), Pbar, S and the
 //      HRM flags in one read of bm, the flag-grouped sort, top-p and the ordered list; each list
 //      zeroes the rm entries it read, which leaves the buffer zeroed for the next head chunk.
@@ -37,43 +38,44 @@ struct ProxyElementTraits {
   static constexpr int kMmaK = 32 / kBytes;
 };
 
-// Whether the scoring kernel loads its operands by TMA: the e4m3 copies at d = 128, where a K slice
-// (128 one-byte elements) is one token of every group (kap_score_kernel.cuh).
+// Which scoring kernel takes the operands: the e4m3 copies at d = 128, where a K slice (128
+// one-byte elements) is one token of every group, are loaded by TMA (kap_score_tma_kernel.cuh);
+// the 16-bit inputs and the e4m3 copies at d = 64 are gathered (kap_score_gather_kernel.cuh).
 template <ProxyElement kElement, int kHeadDim>
 constexpr bool kTmaOperands = kElement == ProxyElement::kE4M3 && kHeadDim == 128;
 
-// The e4m3 copies as TMA tensors (kap_score_launch.cuh); unset where the kernel gathers with
-// cp.async.
+// The e4m3 copies as TMA tensors (kap_score_launch.cuh).
 struct ScoreOperandMaps {
   CUtensorMap q;
   CUtensorMap k;
 };
 
-// Scoring tile: kTileRows stride rows (Qs rows) x kTileCols stride columns (Ks rows), reduced over
-// the s * d long antidiagonal vectors one 128-byte row at a time (64 16-bit or 128 e4m3 elements).
-constexpr int kTileRows = 128;  // two consumer warpgroups of 64 rows
+// Row tiles: kTileRows stride rows (Qs rows), the unit of the scoring grid and of the index
+// kernel's tile counts; column tiles of kTileCols stride columns (Ks rows). The reduction runs over
+// the s * d long antidiagonal vectors one 128-byte row (a K slice) at a time (64 16-bit or 128
+// e4m3 elements).
+constexpr int kTileRows = 128;
 constexpr int kTileRowBytes = 128;  // one 128-byte-swizzled row of a K slice
-constexpr int kScoreThreads = 256;
-constexpr int kTileABytes = kTileRows * kTileRowBytes;
-// Column tiles: 256 wide where there is work for every SM (the smallest tile whose operand
-// traffic, 48 KB per K slice served mostly by L2, keeps up with the tensor cores), 128 wide for
-// short problems, which then split into twice as many CTAs.
+constexpr int kScoreThreads = 256;  // two consumer warpgroups
+// The gathering kernel: each warpgroup 64 of the tile's rows, stages of A (128 rows) and B (kCols
+// rows) per K slice. Column tiles 256 wide where there is work for every SM (the smallest tile
+// whose operand traffic, 48 KB per K slice served mostly by L2, keeps up with the tensor cores),
+// 128 wide for short problems, which then split into twice as many CTAs.
 template <int kCols>
 struct ScoreTile {
   static constexpr int kTileCols = kCols;
   static constexpr int kStages = kCols == 256 ? 4 : 6;  // cp.async depth; loads run kStages - 2 ahead
+  static constexpr int kTileABytes = kTileRows * kTileRowBytes;
   static constexpr int kTileBBytes = kCols * kTileRowBytes;
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
 };
-// The split scoring kernel (kap_score_split_kernel.cuh), for the e4m3 copies at d = 128 and s <= 8:
-// the query tile's s K slices resident in shared memory, beside a ring of 128-column key stages per
-// consumer warpgroup (three at s = 8, four at s = 4).
-template <ProxyElement kElement, int kHeadDim, int kStride>
-constexpr bool kSplitScoring = kTmaOperands<kElement, kHeadDim> && kStride <= 8;
-template <int kStride>
-struct SplitScoreTile {
-  static constexpr int kCtaRows = 128;
+// The TMA kernel: a CTA of kCtaRows stride rows (128, or 64 where a problem is short or the rows'
+// reduction would not fit: s = 16) keeps their s K slices resident, beside a ring of 128-column
+// key stages per consumer warpgroup, as many as fit up to four (three at s = 8 and 128 rows).
+// Its units count 256-column tiles.
+template <int kStride, int kCtaRows>
+struct TmaScoreTile {
   static constexpr int kSlices = kStride;
   static constexpr int kHalfCols = 128;
   static constexpr int kSliceBytes = kCtaRows * kTileRowBytes;
@@ -82,8 +84,11 @@ struct SplitScoreTile {
   static constexpr int kFittingStages = (227 * 1024 - 2048 - kQueryBytes) / (2 * kStageBytes);
   static constexpr int kStagesPerWarpgroup = kFittingStages < 4 ? kFittingStages : 4;
   static constexpr int kSmemBytes = kQueryBytes + 2 * kStagesPerWarpgroup * kStageBytes + 1024;
-  static_assert(kStagesPerWarpgroup >= 2, "two key stages per warpgroup fit beside the query tile");
+  static_assert(kCtaRows == 64 || kCtaRows == 128, "one or two 64-row accumulators");
+  static_assert(kStagesPerWarpgroup >= 3, "three key stages per warpgroup fit beside the query slices");
 };
+// Rows of the TMA kernel's CTAs (TmaScoreTile) for a launch whose column tiles are tile_cols wide.
+inline int tma_cta_rows(int tile_cols, int stride) { return tile_cols == 256 && stride <= 8 ? 128 : 64; }
 // A CTA walks at most kMaxColTilesPerUnit column tiles; shorter units balance short problems.
 constexpr int kMaxColTilesPerUnit = 16;
 

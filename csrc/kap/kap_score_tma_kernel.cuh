@@ -1,15 +1,21 @@
-// KAP scoring pass with the e4m3 copies at d = 128 and s <= 8: the same proxy logits and block
-// maxima as kap_score_kernel.cuh, with the work split between the two consumer warpgroups by
-// columns instead of rows.
+// KAP scoring pass with the e4m3 copies at d = 128 (the default proxy from 16K keys): the strided
+// proxy logits on tensor cores, reduced on chip to the per-key-block maxima bm[r, j] of every stride
+// row (spec section 2, steps 1-3), its operands loaded by TMA. kap_score_gather_kernel.cuh has the
+// GEMM's decomposition (Qs[r] . Ks[c] = sum_t Q[r*s + s-1-t] . K[c*s + t], s K slices of d) and
+// serves the other operand types.
 //
-// The query tile's whole reduction (s K slices of 128 rows x 128 bytes) is loaded once by TMA and
-// stays in shared memory for the CTA's unit. Each warpgroup computes all 128 stride rows of the
-// tile (two m64 x n128 wgmmas per k32 step) for every other 128-column half of the unit's column
-// tiles, from a key ring of its own that only it consumes and refills. The two warpgroups then
-// share nothing but the resident query tile: one's epilogue (block maxima, shuffles, stores)
-// runs while the other's MMAs keep the tensor cores busy, at whatever phase the two drift to, where
-// a shared stage ring holds them within a few K slices of each other. A half past every row's
-// causal limit is not computed at all.
+// A K slice is one token of every group: a box of a 4-D view of the copy (channel, token in group,
+// head, group). One CTA owns kCtaRows (128 or 64) stride rows of one sequence and one query head,
+// and its unit of up to col_tiles_per_unit 256-column tiles. The rows' whole reduction (s slices of
+// kCtaRows x 128 bytes) is loaded once and stays in shared memory for the unit. The two consumer
+// warpgroups split the unit by columns: each computes every row of the CTA (one m64 x n128 wgmma
+// per 64 rows and k32 step) for every other 128-column half, from a ring of key stages that only
+// it consumes and refills. A half past every row's causal limit is not computed at all, and the
+// two warpgroups share nothing but the resident query slices, so that one's epilogue runs while
+// the other's MMAs keep the tensor cores busy. The copies are laid out per query block and per key
+// block with zeros past Lq and Lk (kap_quantize_kernel.cuh), so a box carries the spec's zero rows;
+// what it reads beyond a sequence's last block lands only in rows and columns that the epilogue
+// drops or masks. The epilogue multiplies each block maximum by its query and key blocks' scales.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,6 +25,7 @@
 #include "common/async_copy.cuh"
 #include "common/input_gate.cuh"
 #include "common/tma_pipeline.cuh"
+#include "kap/kap_block_maxima.cuh"
 #include "kap/kap_mma.cuh"
 #include "kap/kap_traits.h"
 
@@ -40,12 +47,12 @@ __device__ __forceinline__ void refill_key_stage(bool issue, uint64_t* full, uin
       : "memory");
 }
 
-template <int kStride>
+template <int kStride, int kCtaRows>
 __global__ void __launch_bounds__(kScoreThreads, 1)
-    kap_score_split_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
-  using Tile = SplitScoreTile<kStride>;
-  constexpr int kRows = Tile::kCtaRows;        // stride rows of the CTA: 64 per accumulator
-  constexpr int kAccs = kRows / 64;
+    kap_score_tma_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
+  using Tile = TmaScoreTile<kStride, kCtaRows>;
+  constexpr int kRows = kCtaRows;
+  constexpr int kAccs = kRows / 64;             // one 64-row accumulator each
   constexpr int kRowParts = kTileRows / kRows;  // CTAs per row tile and unit
   constexpr int kSteps = Tile::kSlices;         // K slices per column half (one token per group)
   constexpr int kStages = Tile::kStagesPerWarpgroup;
@@ -56,7 +63,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   constexpr int kAccRegs = kCols / 2;                  // one m64 x n128 fp32 accumulator
   static_assert(kGroups % 4 == 0, "a quad of lanes shares the key blocks of a half");
 
-  // A dependent launch, as kap_score_kernel.
+  // A dependent launch, as kap_score_gather_kernel.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
   if (inputs_rejected(args.layout)) return;
@@ -196,9 +203,9 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     return scales;
   };
 
-  // A half's maxima in two parts, as in kap_score_kernel: half_pair_maxima reads the accumulators
-  // (per row and key block, the max over the thread's allowed columns, then the xor-1 exchange);
-  // publish_block_maxima does the xor-2 exchange, scales and stores bm, and folds each row's best
+  // A half's maxima in two parts: half_pair_maxima reads the accumulators (per row and key block,
+  // the max over the thread's allowed columns, and the first exchange, kap_block_maxima.cuh);
+  // publish_block_maxima does the second exchange, scales and stores bm, and folds each row's best
   // into row_best; it reads no accumulator and runs under the next half's first MMAs.
   struct HalfPairMaxima {
     float pair[kAccs][2][kGroups / 2];
@@ -208,29 +215,8 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     constexpr bool kMasked = decltype(masked)::value;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int col_limit = row_of(m, half) + prefix_cols - col0;
-      float group_max[kGroups];
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-        float v_max = -INFINITY;
-#pragma unroll
-        for (int f = 0; f < kFragsPerGroup; ++f) {
-          const int frag = g * kFragsPerGroup + f;
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float v = acc[4 * frag + 2 * half + e];
-            if (kMasked && 8 * frag + 2 * (lane % 4) + e > col_limit) v = -INFINITY;
-            v_max = fmaxf(v_max, v);
-          }
-        }
-        group_max[g] = v_max;
-      }
-#pragma unroll
-      for (int g = 0; g < kGroups; g += 2) {
-        const bool odd = lane & 1;
-        const float other = __shfl_xor_sync(0xffffffffu, odd ? group_max[g] : group_max[g + 1], 1);
-        maxima.pair[m][half][g / 2] = fmaxf(odd ? group_max[g + 1] : group_max[g], other);
-      }
+      pair_block_maxima<kGroups, kFragsPerGroup, kMasked>(
+          acc, half, row_of(m, half) + prefix_cols - col0, lane, maxima.pair[m][half]);
     }
   };
   float row_best[kAccs][2];  // key-scaled, not yet by the row's scale
@@ -243,14 +229,8 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
       for (int half = 0; half < 2; ++half) {
         const int r = row_of(m, half);
         const int col_limit = r + prefix_cols - col0;
-        const float* pair_max = maxima.pair[m][half];
         float quad_max[kGroups / 4];
-#pragma unroll
-        for (int k = 0; k < kGroups / 2; k += 2) {
-          const bool high = lane & 2;
-          const float other = __shfl_xor_sync(0xffffffffu, high ? pair_max[k] : pair_max[k + 1], 2);
-          quad_max[k / 2] = fmaxf(high ? pair_max[k + 1] : pair_max[k], other);
-        }
+        quad_block_maxima<kGroups>(maxima.pair[m][half], lane, quad_max);
 #pragma unroll
         for (int q = 0; q < kGroups / 4; ++q) {
           // Blocks past Lk have no scale, and no allowed column either.
@@ -327,7 +307,8 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     pending_scales = scales;
     pending_col0 = col0;
   }
-  // As in kap_score_kernel: the explicit wait keeps ptxas from waiting at the end of every step.
+  // As in kap_score_gather_kernel: the explicit wait keeps ptxas from waiting at the end of every
+  // step.
   wgmma_wait<0>();
   publish_block_maxima(pending_col0, pending_scales, pending_maxima);
   // Each row's best over this warpgroup's halves, folded into rm once.
