@@ -4,8 +4,8 @@
 #include "common/dependent_launch.h"
 #include "common/tensor_map.h"
 #include "kap/kap_launch.h"
-#include "kap/kap_score_gather_kernel.cuh"
-#include "kap/kap_score_tma_kernel.cuh"
+#include "kap/kap_score_kernel.cuh"
+#include "kap/kap_score_resident_kernel.cuh"
 
 namespace cosa::kap {
 
@@ -31,12 +31,11 @@ inline cudaError_t encode_copy_tensor_map(CUtensorMap* map, void* base, int64_t 
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// The TMA kernel (kap_score_tma_kernel.cuh): CTAs of kCtaRows stride rows, units of 256-column
-// tiles.
-template <int kStride, int kCtaRows>
-cudaError_t launch_score_tma(const KapDeviceArgs& args, cudaStream_t stream) {
-  using Tile = TmaScoreTile<kStride, kCtaRows>;
-  auto kernel = kap_score_tma_kernel<kStride, kCtaRows>;
+// The resident-query kernel (kap_score_resident_kernel.cuh) over the launch's 256-column units.
+template <int kStride>
+cudaError_t launch_score_resident(const KapDeviceArgs& args, cudaStream_t stream) {
+  using Tile = ResidentScoreTile<kStride>;
+  auto kernel = kap_score_resident_kernel<kStride>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -44,12 +43,12 @@ cudaError_t launch_score_tma(const KapDeviceArgs& args, cudaStream_t stream) {
   const int max_col_tiles =
       ((args.layout.max_seqlen_k + kStride - 1) / kStride + kUnitCols - 1) / kUnitCols;
   const int num_units = (max_col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit;
-  const dim3 grid(args.head_count, num_units * (kTileRows / kCtaRows), args.num_tiles);
+  const dim3 grid(args.head_count, num_units, args.num_tiles);
   const PagedLayout& L = args.layout;
   constexpr int kGroupsPerBlock = kBlockSize / kStride;
   ScoreOperandMaps maps = {};
   err = encode_copy_tensor_map(&maps.q, args.q8, int64_t(L.num_q_blocks) * kGroupsPerBlock,
-                               L.num_heads_q, kStride, kCtaRows);
+                               L.num_heads_q, kStride, kTileRows);
   if (err != cudaSuccess) return err;
   err = encode_copy_tensor_map(&maps.k, args.k8, int64_t(L.batch) * L.max_k_blocks * kGroupsPerBlock,
                                L.num_heads_kv, kStride, Tile::kHalfCols);
@@ -58,29 +57,37 @@ cudaError_t launch_score_tma(const KapDeviceArgs& args, cudaStream_t stream) {
 }
 
 template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
-cudaError_t launch_score_gather(const KapDeviceArgs& args, cudaStream_t stream) {
+cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
   using Tile = ScoreTile<kCols>;
-  auto kernel = kap_score_gather_kernel<kElement, kHeadDim, kStride, kCols>;
+  auto kernel = kap_score_kernel<kElement, kHeadDim, kStride, kCols>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
   const int max_col_tiles = ((args.layout.max_seqlen_k + kStride - 1) / kStride + kCols - 1) / kCols;
   const int num_units = (max_col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit;
   const dim3 grid(args.head_count, num_units, args.num_tiles);
-  return launch_dependent(kernel, grid, dim3(kScoreThreads), Tile::kSmemBytes, stream, args);
+  ScoreOperandMaps maps = {};
+  if constexpr (kTmaOperands<kElement, kHeadDim>) {
+    const PagedLayout& L = args.layout;
+    constexpr int kGroupsPerBlock = kBlockSize / kStride;
+    err = encode_copy_tensor_map(&maps.q, args.q8, int64_t(L.num_q_blocks) * kGroupsPerBlock,
+                                 L.num_heads_q, kStride, kTileRows);
+    if (err != cudaSuccess) return err;
+    err = encode_copy_tensor_map(&maps.k, args.k8, int64_t(L.batch) * L.max_k_blocks * kGroupsPerBlock,
+                                 L.num_heads_kv, kStride, kCols);
+    if (err != cudaSuccess) return err;
+  }
+  return launch_dependent(kernel, grid, dim3(kScoreThreads), Tile::kSmemBytes, stream, args, maps);
 }
 
 template <ProxyElement kElement, int kHeadDim, int kStride>
 cudaError_t launch_score(const KapDeviceArgs& args, cudaStream_t stream) {
   if (args.num_tiles == 0) return cudaSuccess;  // no query rows at all
-  if constexpr (kTmaOperands<kElement, kHeadDim>) {
-    if constexpr (kStride <= 8) {
-      if (tma_cta_rows(args.tile_cols, kStride) == 128) return launch_score_tma<kStride, 128>(args, stream);
-    }
-    return launch_score_tma<kStride, 64>(args, stream);
+  if (args.tile_cols == 128) return launch_score_tile<kElement, kHeadDim, kStride, 128>(args, stream);
+  if constexpr (kResidentQueryScoring<kElement, kHeadDim, kStride>) {
+    return launch_score_resident<kStride>(args, stream);
   } else {
-    if (args.tile_cols == 128) return launch_score_gather<kElement, kHeadDim, kStride, 128>(args, stream);
-    return launch_score_gather<kElement, kHeadDim, kStride, 256>(args, stream);
+    return launch_score_tile<kElement, kHeadDim, kStride, 256>(args, stream);
   }
 }
 

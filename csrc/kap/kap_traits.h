@@ -5,9 +5,9 @@
 //   1. kap_index_kernel: per sequence, the first packed query block and the first scoring tile
 //      (prefix sums over the batch, so that no host synchronisation is needed); its other CTAs
 //      zero the rm buffer of the first head chunk;
-//   2. kap_score_tma_kernel (kap_score_tma_kernel.cuh; the e4m3 copies at d = 128) or
-//      kap_score_gather_kernel (kap_score_gather_kernel.cuh; the other operands): the strided proxy
-//      GEMM Qs Ks^T on tensor cores; its epilogue reduces each stride row's logits to the
+//   2. kap_score_kernel (kap_score_kernel.cuh), or for the e4m3 copies at d = 128 and s <= 8 on
+//      256-column tiles kap_score_resident_kernel (kap_score_resident_kernel.cuh): the strided
+//      proxy GEMM Qs Ks^T on tensor cores; its epilogue reduces each stride row's logits to the
 //      per-key-block maxima bm[r, j], stores them in the workspace and folds them into the row
 //      maxima rm[r] (atomic maxima, into a zeroed buffer);
 //   3. kap_select_*_kernel (kap_select_kernel.cuh): per (query head, query block), Pbar, S and the
@@ -38,57 +38,51 @@ struct ProxyElementTraits {
   static constexpr int kMmaK = 32 / kBytes;
 };
 
-// Which scoring kernel takes the operands: the e4m3 copies at d = 128, where a K slice (128
-// one-byte elements) is one token of every group, are loaded by TMA (kap_score_tma_kernel.cuh);
-// the 16-bit inputs and the e4m3 copies at d = 64 are gathered (kap_score_gather_kernel.cuh).
+// Whether the scoring kernel loads its operands by TMA: the e4m3 copies at d = 128, where a K slice
+// (128 one-byte elements) is one token of every group (kap_score_kernel.cuh).
 template <ProxyElement kElement, int kHeadDim>
 constexpr bool kTmaOperands = kElement == ProxyElement::kE4M3 && kHeadDim == 128;
 
-// The e4m3 copies as TMA tensors (kap_score_launch.cuh).
+// The e4m3 copies as TMA tensors (kap_score_launch.cuh); unset where the kernel gathers with
+// cp.async.
 struct ScoreOperandMaps {
   CUtensorMap q;
   CUtensorMap k;
 };
 
-// Row tiles: kTileRows stride rows (Qs rows), the unit of the scoring grid and of the index
-// kernel's tile counts; column tiles of kTileCols stride columns (Ks rows). The reduction runs over
-// the s * d long antidiagonal vectors one 128-byte row (a K slice) at a time (64 16-bit or 128
-// e4m3 elements).
-constexpr int kTileRows = 128;
+// Scoring tile: kTileRows stride rows (Qs rows) x kTileCols stride columns (Ks rows), reduced over
+// the s * d long antidiagonal vectors one 128-byte row at a time (64 16-bit or 128 e4m3 elements).
+constexpr int kTileRows = 128;  // two consumer warpgroups of 64 rows
 constexpr int kTileRowBytes = 128;  // one 128-byte-swizzled row of a K slice
-constexpr int kScoreThreads = 256;  // two consumer warpgroups
-// The gathering kernel: each warpgroup 64 of the tile's rows, stages of A (128 rows) and B (kCols
-// rows) per K slice. Column tiles 256 wide where there is work for every SM (the smallest tile
-// whose operand traffic, 48 KB per K slice served mostly by L2, keeps up with the tensor cores),
-// 128 wide for short problems, which then split into twice as many CTAs.
+constexpr int kScoreThreads = 256;
+constexpr int kTileABytes = kTileRows * kTileRowBytes;
+// Column tiles: 256 wide where there is work for every SM (the smallest tile whose operand
+// traffic, 48 KB per K slice served mostly by L2, keeps up with the tensor cores), 128 wide for
+// short problems, which then split into twice as many CTAs.
 template <int kCols>
 struct ScoreTile {
   static constexpr int kTileCols = kCols;
   static constexpr int kStages = kCols == 256 ? 4 : 6;  // cp.async depth; loads run kStages - 2 ahead
-  static constexpr int kTileABytes = kTileRows * kTileRowBytes;
   static constexpr int kTileBBytes = kCols * kTileRowBytes;
   static constexpr int kStageBytes = kTileABytes + kTileBBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
 };
-// The TMA kernel: a CTA of kCtaRows stride rows (128, or 64 where a problem is short or the rows'
-// reduction would not fit: s = 16) keeps their s K slices resident, beside a ring of 128-column
-// key stages per consumer warpgroup, as many as fit up to four (three at s = 8 and 128 rows).
-// Its units count 256-column tiles.
-template <int kStride, int kCtaRows>
-struct TmaScoreTile {
-  static constexpr int kSlices = kStride;
+// The resident-query kernel (kap_score_resident_kernel.cuh) takes the e4m3 copies at d = 128 and
+// s <= 8 on 256-column tiles: the row tile's s K slices (at most 128 KB) stay in shared memory,
+// beside a ring of 128-column key stages per consumer warpgroup (three at s = 8, four at s = 4).
+template <ProxyElement kElement, int kHeadDim, int kStride>
+constexpr bool kResidentQueryScoring = kTmaOperands<kElement, kHeadDim> && kStride <= 8;
+template <int kStride>
+struct ResidentScoreTile {
   static constexpr int kHalfCols = 128;
-  static constexpr int kSliceBytes = kCtaRows * kTileRowBytes;
-  static constexpr int kQueryBytes = kSlices * kSliceBytes;
+  static constexpr int kSliceBytes = kTileRows * kTileRowBytes;
+  static constexpr int kQueryBytes = kStride * kSliceBytes;
   static constexpr int kStageBytes = kHalfCols * kTileRowBytes;
   static constexpr int kFittingStages = (227 * 1024 - 2048 - kQueryBytes) / (2 * kStageBytes);
   static constexpr int kStagesPerWarpgroup = kFittingStages < 4 ? kFittingStages : 4;
   static constexpr int kSmemBytes = kQueryBytes + 2 * kStagesPerWarpgroup * kStageBytes + 1024;
-  static_assert(kCtaRows == 64 || kCtaRows == 128, "one or two 64-row accumulators");
   static_assert(kStagesPerWarpgroup >= 3, "three key stages per warpgroup fit beside the query slices");
 };
-// Rows of the TMA kernel's CTAs (TmaScoreTile) for a launch whose column tiles are tile_cols wide.
-inline int tma_cta_rows(int tile_cols, int stride) { return tile_cols == 256 && stride <= 8 ? 128 : 64; }
 // A CTA walks at most kMaxColTilesPerUnit column tiles; shorter units balance short problems.
 constexpr int kMaxColTilesPerUnit = 16;
 

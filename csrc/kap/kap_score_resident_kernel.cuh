@@ -1,21 +1,21 @@
-// KAP scoring pass with the e4m3 copies at d = 128 (the default proxy from 16K keys): the strided
-// proxy logits on tensor cores, reduced on chip to the per-key-block maxima bm[r, j] of every stride
-// row (spec section 2, steps 1-3), its operands loaded by TMA. kap_score_gather_kernel.cuh has the
-// GEMM's decomposition (Qs[r] . Ks[c] = sum_t Q[r*s + s-1-t] . K[c*s + t], s K slices of d) and
-// serves the other operand types.
+// KAP scoring pass for the default proxy's common case (the e4m3 copies at d = 128, s <= 8, 256-column
+// tiles): the same block maxima bm[r, j] and row maxima rm[r] as kap_score_kernel.cuh, which has
+// the GEMM's decomposition (Qs[r] . Ks[c] = sum_t Q[r*s + s-1-t] . K[c*s + t], s K slices of d)
+// and serves every other case, with the work split between the two consumer warpgroups by columns
+// instead of rows.
 //
 // A K slice is one token of every group: a box of a 4-D view of the copy (channel, token in group,
-// head, group). One CTA owns kCtaRows (128 or 64) stride rows of one sequence and one query head,
-// and its unit of up to col_tiles_per_unit 256-column tiles. The rows' whole reduction (s slices of
-// kCtaRows x 128 bytes) is loaded once and stays in shared memory for the unit. The two consumer
-// warpgroups split the unit by columns: each computes every row of the CTA (one m64 x n128 wgmma
-// per 64 rows and k32 step) for every other 128-column half, from a ring of key stages that only
-// it consumes and refills. A half past every row's causal limit is not computed at all, and the
-// two warpgroups share nothing but the resident query slices, so that one's epilogue runs while
-// the other's MMAs keep the tensor cores busy. The copies are laid out per query block and per key
-// block with zeros past Lq and Lk (kap_quantize_kernel.cuh), so a box carries the spec's zero rows;
-// what it reads beyond a sequence's last block lands only in rows and columns that the epilogue
-// drops or masks. The epilogue multiplies each block maximum by its query and key blocks' scales.
+// head, group), loaded by TMA. One CTA owns 128 stride rows of one sequence and one query head and
+// a unit of up to col_tiles_per_unit 256-column tiles. The rows' whole reduction (s slices of 128
+// rows x 128 bytes, at most 128 KB) is loaded once and stays in shared memory for the unit. Each
+// warpgroup computes all 128 rows (two m64 x n128 wgmmas per k32 step) for every other 128-column
+// half of the unit, from a ring of key stages that only it consumes and refills. A half past every
+// row's causal limit is not computed at all (3-4% of the proxy's work at 32K tokens, more at 8K),
+// and the two warpgroups share nothing but the resident query slices, so each drifts at its own
+// pace. The copies are laid out per query block and per key block with zeros past Lq and Lk
+// (kap_quantize_kernel.cuh), so a box carries the spec's zero rows; what it reads beyond a
+// sequence's last block lands only in rows and columns that the epilogue drops or masks. The
+// epilogue multiplies each block maximum by its query and key blocks' scales.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,14 +47,12 @@ __device__ __forceinline__ void refill_key_stage(bool issue, uint64_t* full, uin
       : "memory");
 }
 
-template <int kStride, int kCtaRows>
+template <int kStride>
 __global__ void __launch_bounds__(kScoreThreads, 1)
-    kap_score_tma_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
-  using Tile = TmaScoreTile<kStride, kCtaRows>;
-  constexpr int kRows = kCtaRows;
-  constexpr int kAccs = kRows / 64;             // one 64-row accumulator each
-  constexpr int kRowParts = kTileRows / kRows;  // CTAs per row tile and unit
-  constexpr int kSteps = Tile::kSlices;         // K slices per column half (one token per group)
+    kap_score_resident_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
+  using Tile = ResidentScoreTile<kStride>;
+  constexpr int kAccs = kTileRows / 64;  // 64-row accumulators
+  constexpr int kSteps = kStride;               // K slices per column half (one token per group)
   constexpr int kStages = Tile::kStagesPerWarpgroup;
   constexpr int kCols = Tile::kHalfCols;
   constexpr int kRowsPerBlock = kBlockSize / kStride;  // stride rows (and columns) per block
@@ -63,7 +61,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   constexpr int kAccRegs = kCols / 2;                  // one m64 x n128 fp32 accumulator
   static_assert(kGroups % 4 == 0, "a quad of lanes shares the key blocks of a half");
 
-  // A dependent launch, as kap_score_gather_kernel.
+  // A dependent launch, as kap_score_kernel.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
   if (inputs_rejected(args.layout)) return;
@@ -78,13 +76,11 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   const int len_k = __ldg(L.seqused_k + b);
   const int prefix_cols = (len_k - len_q) / kStride;  // P / s
   const int num_rows = (len_q + kStride - 1) / kStride;
-  const int row_part = static_cast<int>(blockIdx.y) % kRowParts;
-  const int row0 = (tile - __ldg(args.tile_start + b)) * kTileRows + row_part * kRows;
-  if (row0 >= num_rows) return;
-  const int row_last = min(row0 + kRows, num_rows) - 1;
+  const int row0 = (tile - __ldg(args.tile_start + b)) * kTileRows;
+  const int row_last = min(row0 + kTileRows, num_rows) - 1;
   // The unit's column tiles, counted by the launch 256 columns wide, as 128-column halves; only
   // the halves that hold an allowed column of some row of the tile.
-  const int half_begin = 2 * (static_cast<int>(blockIdx.y) / kRowParts) * args.col_tiles_per_unit;
+  const int half_begin = 2 * static_cast<int>(blockIdx.y) * args.col_tiles_per_unit;
   const int half_end =
       min(half_begin + 2 * args.col_tiles_per_unit, (row_last + prefix_cols) / kCols + 1);
   if (half_end <= half_begin) return;
@@ -307,8 +303,7 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
     pending_scales = scales;
     pending_col0 = col0;
   }
-  // As in kap_score_gather_kernel: the explicit wait keeps ptxas from waiting at the end of every
-  // step.
+  // As in kap_score_kernel: the explicit wait keeps ptxas from waiting at the end of every step.
   wgmma_wait<0>();
   publish_block_maxima(pending_col0, pending_scales, pending_maxima);
   // Each row's best over this warpgroup's halves, folded into rm once.
