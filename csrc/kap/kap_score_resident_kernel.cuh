@@ -51,9 +51,10 @@ template <int kStride>
 __global__ void __launch_bounds__(kScoreThreads, 1)
     kap_score_resident_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
   using Tile = ResidentScoreTile<kStride>;
-  constexpr int kAccs = kTileRows / 64;  // 64-row accumulators
-  constexpr int kSteps = kStride;               // K slices per column half (one token per group)
+  constexpr int kAccs = kTileRows / 64;               // 64-row accumulators
+  constexpr int kSteps = kStride;                     // K slices per column half (one token per group)
   constexpr int kStages = Tile::kStagesPerWarpgroup;
+  static_assert(kStages <= kSteps, "the prologue fills each ring beside the first query slices");
   constexpr int kCols = Tile::kHalfCols;
   constexpr int kRowsPerBlock = kBlockSize / kStride;  // stride rows (and columns) per block
   constexpr int kGroups = kCols / kRowsPerBlock;       // key blocks per column half
