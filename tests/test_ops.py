@@ -226,6 +226,27 @@ def test_kernels_enqueued_behind_failed_checks_do_nothing(ops):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("width", [None, 40000], ids=["one-cta", "grid"])
+def test_device_checks_find_a_bad_page_id_on_both_paths(ops, width):
+    """The device checks run in one CTA where the page table has at most 65536 entries and no lists
+    are given, and as a grid (with the report's memset and publication as launches of their own)
+    otherwise: both pass good inputs and find a bad page id among those a sequence uses."""
+    p = small_problem(device="cuda")
+    expected = ops.prefill(*prefill_args(p))
+    if width is not None:  # the same problem with a page table too wide for the one-CTA path
+        table = p["page_table"]
+        unused = torch.zeros(table.shape[0], width - table.shape[1], dtype=table.dtype, device=table.device)
+        p = {**p, "page_table": torch.cat([table, unused], dim=1)}
+    got = ops.prefill(*prefill_args(p))
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    bad = p["page_table"].clone()
+    bad[1, 2] = -5  # sequence 1 uses pages 0-4
+    with pytest.raises(ValueError, match=r"cosa.prefill: page_table\[1, 2\]"):
+        ops.prefill(*prefill_args({**p, "page_table": bad}))
+
+
+@pytest.mark.gpu
 def test_device_checks_can_be_turned_off(ops):
     """The device-data checks are the ops' one host synchronisation: on by default, and gone
     (same results, no synchronisation) with cosa.set_device_checks(False)."""
