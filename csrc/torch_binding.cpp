@@ -656,7 +656,7 @@ void enqueue_device_checks(const OpArgs& a, cosa::PagedLayout& layout, PendingDe
     pending.host_report.copy_(pending.report, /*non_blocking=*/true);
   }
   // Recorded before the launch error is raised, so that pending's destructor waits for whatever
-  // was enqueued to write host_report (the publish kernel, or the copy).
+  // was enqueued to write host_report (the checks' last kernel, or the copy).
   const cudaError_t recorded = cudaEventRecord(pending.published, stream);
   TORCH_CHECK(error == cudaSuccess, message("cosa.", a.op, ": the input checks failed to launch: ",
                                             cudaGetErrorString(error)));
