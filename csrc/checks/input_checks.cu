@@ -61,7 +61,7 @@ __global__ void check_lengths_and_pages(InputCheckParams p) {
 // table entries): the whole check in one CTA, the report kept in shared memory and written at the
 // end both where the kernels' gate reads it and into the host's pinned copy. One launch where the
 // general path takes three (the report's memset, the checks, the publication) and the gaps between
-// them: about 4 us of every checked call.
+// them: about 3 us of every checked call on the H200.
 constexpr int kOneCtaThreads = 512;
 constexpr int kOneCtaMaxBatch = 512;
 constexpr int64_t kOneCtaMaxPages = 65536;
