@@ -847,7 +847,7 @@ def test_layers_one_layer_on_the_cpu(monkeypatch):
 
 def test_kap_stage_times():
     """Kernel names from the profiler's trace summed per KAP stage and divided by the calls profiled."""
-    kernels = [("void cosa::kap::kap_score_gather_kernel<cutlass::bfloat16_t, 128, 8>(cosa::kap::KapDeviceArgs)", 900.0),
+    kernels = [("void cosa::kap::kap_score_kernel<cutlass::bfloat16_t, 128, 8>(cosa::kap::KapDeviceArgs)", 900.0),
                ("void cosa::kap::kap_select_warp_kernel<4>(cosa::kap::KapDeviceArgs)", 200.0),
                ("void cosa::kap::kap_select_block_kernel(cosa::kap::KapDeviceArgs)", 100.0),
                ("cosa::checks::check_lengths_and_pages(cosa::checks::InputCheckParams)", 15.0),

@@ -59,7 +59,7 @@ def test_ptxas_report_summarises_kap_scoring_kernels_and_names_other_spills():
                 "ptxas info    : Function properties for x\n"
                 f"    0 bytes stack frame, {spilled} bytes spill stores, {spilled} bytes spill loads\n"
                 f"ptxas info    : Used {registers} registers\n")
-    log = (entry("_ZN1p3kap23kap_score_gather_kernelILi1EEEvv", 238, 0) + entry("_ZN1p3kap20kap_score_tma_kernelILi2EEEvv", 254, 0)
+    log = (entry("_ZN1p3kap16kap_score_kernelILi1EEEvv", 238, 0) + entry("_ZN1p3kap25kap_score_resident_kernelILi2EEEvv", 254, 0)
            + entry("_ZN1p3kap16kap_index_kernelEv", 40, 0) + entry("_ZN1p3kap17kap_select_kernelEv", 255, 16)
            + "ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized\n")
     assert kernel_ab.ptxas_report("kap", "v", log) == [
@@ -70,7 +70,7 @@ def test_ptxas_report_summarises_kap_scoring_kernels_and_names_other_spills():
 
 def test_ptxas_report_counts_the_waits_ptxas_inserts():
     injected = ("ptxas info    : (C7517) warpgroup.wait is injected in around line 27127 by compiler to allow use "
-                "of registers defined by GMMA in function '_ZN1p3kap23kap_score_gather_kernelILi1EEEvv'\n")
+                "of registers defined by GMMA in function '_ZN1p3kap16kap_score_kernelILi1EEEvv'\n")
     assert kernel_ab.ptxas_report("kap", "v", 2 * injected)[-1] == "  v: ptxas inserted 2 wgmma waits of its own (C7517)"
     assert kernel_ab.ptxas_report("kap", "v", "") == []
 
