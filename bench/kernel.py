@@ -17,7 +17,9 @@ Rows (bench/README.md says what each one means and how the derived numbers are d
 (<v>: the vote scope of the skip, tile or warpgroup; -unchecked: with cosa.set_device_checks(False),
 i.e. without the ops' checks of index-tensor contents and their one host synchronisation per call;
 -graph: replayed from a CUDA graph, so without any host work: the GPU time of the kernels alone.
-The stride-<s>[-fp8] rows also hold stages_ms: each KAP kernel's time per call under torch.profiler.)
+The stride-<s>[-fp8] rows also hold stages_ms: each KAP kernel's time per call under torch.profiler;
+at the default stride the row of the default proxy holds frac_of_fa4_paired, its time over FA4
+dense's in interleaved rounds on the same inputs, when FA4 runs.)
 The osk/kap/cosa rows appear only when torch.ops.cosa has CUDA kernels; the fa4 and flash-* rows
 only where FlashAttention-4 (the flash-attn-4 package) is installed and runs. Every attention row
 is checked in the same run against a float32 reference restricted to the same block lists.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import sys
 import traceback
 from dataclasses import dataclass
@@ -44,8 +47,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO_ROOT, Rotation, argument_parser, finish_report, format_table, progress, record_kap_stages,  # noqa: E402
-                    relative_error, save_figure, require_cuda, results_path, run_metadata, time_ms, write_json)
+from common import (REPO_ROOT, Rotation, argument_parser, finish_report, format_table, interleaved_ms,  # noqa: E402
+                    progress, record_kap_stages, relative_error, save_figure, require_cuda, results_path,
+                    run_metadata, time_ms, write_json)
 
 BLOCK = 128
 CONFIG = {"batch": 1, "hq": 32, "hkv": 8, "d": 128, "dtype": "bfloat16", "page_size": 128}
@@ -72,6 +76,18 @@ FA4_COLUMNS = ("x_fa4", "frac_of_fa4")  # in the table only when the run has an 
 # ---------------------------------------------------------------------------------------------
 # Block lists: order [Hq, nq, nk] int32 (list, then -1), counts [Hq, nq] int32, batch 1, no prefix
 # ---------------------------------------------------------------------------------------------
+
+
+# Interleaved rounds of the paired KAP / FA4 share (Bench.kap_share_of_fa4).
+PAIRED_ROUNDS = 7
+
+
+def paired_share(numerator_ms: list[float], denominator_ms: list[float]) -> tuple[float, float, float]:
+    """The median and the quartiles over paired rounds of one time over the other's in the same
+    round."""
+    ratios = [a / b for a, b in zip(numerator_ms, denominator_ms, strict=True)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return median, q1, q3
 
 
 def causal_lists(nq: int, hq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -738,9 +754,35 @@ class Bench:
                              note=note + ("" if checks else ", device checks off"))
                 self.guarded(f"{name} stages at {n}", record_kap_stages, self.rows[-2], lambda: run(sets.take()),
                              f"{name} at {n}:")
+                default_precision = "fp8" if n >= self.cosa.defaults.FP8_PROXY_MIN_KEYS else "native"
+                if stride == self.cosa.defaults.STRIDE and precision == default_precision:
+                    self.guarded(f"{name} share of fa4 at {n}", self.kap_share_of_fa4, ctx, run, self.rows[-2])
                 replay = graph_of(lambda: run(first))
                 self.add("kap", f"{name}-graph", n, time_ms(replay), budget=budget, list_match=match,
                          note=note + ", CUDA graph replay (no host work, no checks), one input set")
+
+    def kap_share_of_fa4(self, ctx, run_kap, row: dict):
+        """KAP's share of FA4 dense, the number its target is stated in, from KAP on the default path
+        (device checks on) and FA4 timed in PAIRED_ROUNDS interleaved rounds on the same inputs
+        (common.interleaved_ms): the median of the per-round ratios and its quartiles go into
+        ``row`` (``frac_of_fa4_paired``, ``frac_of_fa4_paired_quartiles``). Rows timed one after
+        another differ by a few percent from run to run, as much as the margins this share is read
+        for."""
+        if self.fa4 is None or not self.peer_runs("fa4"):
+            return
+        sets = ctx["sets"]
+        fa4_run = lambda s: fa4_dense(self.fa4, s.q, s.k, s.v)  # noqa: E731
+        if self.peer_first_call("fa4", fa4_run, sets.first) is None:
+            return
+        with self.cosa.set_device_checks(True):
+            times = interleaved_ms({"kap": lambda: run_kap(sets.take()), "fa4": lambda: fa4_run(sets.take())},
+                                   rounds=PAIRED_ROUNDS)
+        share, q1, q3 = paired_share(times["kap"], times["fa4"])
+        row["frac_of_fa4_paired"] = share
+        row["frac_of_fa4_paired_quartiles"] = [q1, q3]
+        row["note"] += (f"; {100 * share:.2f}% of FA4 dense in {PAIRED_ROUNDS} paired rounds "
+                        f"[{100 * q1:.2f} {100 * q3:.2f}]")
+        progress(f"  kap/{row['impl']} n={ctx['n']}: {100 * share:.2f}% of FA4 dense, paired")
 
     # -- derived columns, table, plot ---------------------------------------------------------
 

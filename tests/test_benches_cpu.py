@@ -7,9 +7,11 @@ bench/layers.py (arguments, the Q/K/V capture, one layer's rows with the timer s
 bench/long_context.py (the list agreement) and of bench/vllm_e2e.py (arguments, the rows of the two engines),
 and the source digest every results file records."""
 
+import contextlib
 import importlib.util
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -683,6 +685,48 @@ def test_kernel_speedups_over_cudnn_and_fa4():
     assert columns.index("x_fa4") == columns.index("x_cudnn") + 1
     assert "x_fa4" in common.format_table(rows, columns).splitlines()[0]
     assert not set(kernel.FA4_COLUMNS) & set(kernel.table_columns([r for r in rows if r["impl"] != "fa4"]))
+
+
+def test_kernel_paired_share_is_the_median_of_per_round_ratios():
+    """A round where both are slow (a clock dip) moves neither the median nor the quartiles much: the
+    ratio is taken within each round."""
+    kap_ms = [0.66, 0.67, 0.65, 0.80, 0.66, 0.66, 0.67]
+    fa4_ms = [13.2, 13.3, 13.1, 16.0, 13.2, 13.3, 13.2]
+    share, q1, q3 = kernel.paired_share(kap_ms, fa4_ms)
+    assert share == pytest.approx(statistics.median(k / f for k, f in zip(kap_ms, fa4_ms)))
+    assert q1 <= share <= q3 and q3 - q1 < 0.001
+    with pytest.raises(ValueError):
+        kernel.paired_share([1.0], [1.0, 2.0])
+
+
+def test_kernel_kap_share_of_fa4_goes_into_the_row(monkeypatch):
+    """The paired KAP / FA4 rounds fill the checked KAP row: the share, its quartiles and a note; a run
+    without FA4 leaves the row as it was."""
+    timed = []
+
+    def fake_interleaved(fns, rounds):
+        timed.append(sorted(fns))
+        return {"kap": [0.66] * rounds, "fa4": [13.2] * rounds}
+
+    monkeypatch.setattr(kernel, "interleaved_ms", fake_interleaved)
+    monkeypatch.setattr(kernel.torch.cuda, "synchronize", lambda: None)
+    inputs = SimpleNamespace(q=torch.zeros(4, 2, 8), k=torch.zeros(4, 1, 8), v=torch.zeros(4, 1, 8))
+    ctx = {"sets": SimpleNamespace(first=inputs, take=lambda: inputs), "n": 32768}
+    fake_cosa = SimpleNamespace(set_device_checks=lambda enabled: contextlib.nullcontext())
+    fa4 = lambda q, k, v, softmax_scale=None, causal=False: q  # noqa: E731
+
+    bench = kernel.Bench(SimpleNamespace(only=["kap"]), {}, fake_cosa, {}, None, fa4=fa4)
+    row = {"impl": "stride-8-fp8", "note": "top_p 0.95"}
+    bench.kap_share_of_fa4(ctx, lambda s: None, row)
+    assert timed == [["fa4", "kap"]]
+    assert row["frac_of_fa4_paired"] == pytest.approx(0.05)
+    assert row["frac_of_fa4_paired_quartiles"] == pytest.approx([0.05, 0.05])
+    assert row["note"] == f"top_p 0.95; 5.00% of FA4 dense in {kernel.PAIRED_ROUNDS} paired rounds [5.00 5.00]"
+
+    without = kernel.Bench(SimpleNamespace(only=["kap"]), {}, fake_cosa, {}, None, fa4=None)
+    row = {"impl": "stride-8-fp8", "note": "top_p 0.95"}
+    without.kap_share_of_fa4(ctx, lambda s: None, row)
+    assert row == {"impl": "stride-8-fp8", "note": "top_p 0.95"} and len(timed) == 1
 
 
 def test_kernel_skipped_output_counts_halves():
