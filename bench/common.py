@@ -155,9 +155,20 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 5, warmup
     return times
 
 
+def round_ratios(numerator: list[float], denominator: list[float]) -> list[float]:
+    """One round's time over the other's in the same round, round by round."""
+    return [a / b for a, b in zip(numerator, denominator)]
+
+
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     """The median over the rounds of one round's time over the other's in the same round."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
+    return statistics.median(round_ratios(numerator, denominator))
+
+
+def paired_ratio_quartiles(numerator: list[float], denominator: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of the same per-round ratios as paired_ratio."""
+    q1, _, q3 = statistics.quantiles(round_ratios(numerator, denominator), n=4, method="inclusive")
+    return q1, q3
 
 
 class Rotation:

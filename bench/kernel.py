@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import gc
 import math
-import statistics
 import sys
 import traceback
 from dataclasses import dataclass
@@ -48,8 +47,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (REPO_ROOT, Rotation, argument_parser, finish_report, format_table, interleaved_ms,  # noqa: E402
-                    progress, record_kap_stages, relative_error, save_figure, require_cuda, results_path,
-                    run_metadata, time_ms, write_json)
+                    paired_ratio, paired_ratio_quartiles, progress, record_kap_stages, relative_error, save_figure,
+                    require_cuda, results_path, run_metadata, time_ms, write_json)
 
 BLOCK = 128
 CONFIG = {"batch": 1, "hq": 32, "hkv": 8, "d": 128, "dtype": "bfloat16", "page_size": 128}
@@ -80,14 +79,6 @@ FA4_COLUMNS = ("x_fa4", "frac_of_fa4")  # in the table only when the run has an 
 
 # Interleaved rounds of the paired KAP / FA4 share (Bench.kap_share_of_fa4).
 PAIRED_ROUNDS = 7
-
-
-def paired_share(numerator_ms: list[float], denominator_ms: list[float]) -> tuple[float, float, float]:
-    """The median and the quartiles over paired rounds of one time over the other's in the same
-    round."""
-    ratios = [a / b for a, b in zip(numerator_ms, denominator_ms, strict=True)]
-    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return median, q1, q3
 
 
 def causal_lists(nq: int, hq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -777,7 +768,8 @@ class Bench:
         with self.cosa.set_device_checks(True):
             times = interleaved_ms({"kap": lambda: run_kap(sets.take()), "fa4": lambda: fa4_run(sets.take())},
                                    rounds=PAIRED_ROUNDS)
-        share, q1, q3 = paired_share(times["kap"], times["fa4"])
+        share = paired_ratio(times["kap"], times["fa4"])
+        q1, q3 = paired_ratio_quartiles(times["kap"], times["fa4"])
         row["frac_of_fa4_paired"] = share
         row["frac_of_fa4_paired_quartiles"] = [q1, q3]
         row["note"] += (f"; {100 * share:.2f}% of FA4 dense in {PAIRED_ROUNDS} paired rounds "
