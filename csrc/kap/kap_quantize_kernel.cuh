@@ -169,43 +169,38 @@ __device__ __forceinline__ float key_centre(const KapDeviceArgs& args, int b, in
   return isfinite(centre) ? centre : 0.f;
 }
 
-// Quantisation CTAs: one per (key block, KV head), then one per (packed query block, query head);
+// Quantisation CTAs: one per (packed query block, query head), then one per (key block, KV head);
 // the launch's grid and the kernel's CTA mapping share these.
-__host__ __device__ __forceinline__ int64_t quantize_key_ctas(const PagedLayout& L) {
-  return static_cast<int64_t>(L.batch) * L.max_k_blocks * L.num_heads_kv;
+__host__ __device__ __forceinline__ int64_t quantize_query_ctas(const PagedLayout& L) {
+  return static_cast<int64_t>(L.num_q_blocks) * L.num_heads_q;
 }
 __host__ __device__ __forceinline__ int64_t quantize_ctas(const PagedLayout& L) {
-  return quantize_key_ctas(L) + static_cast<int64_t>(L.num_q_blocks) * L.num_heads_q;
+  return quantize_query_ctas(L) + static_cast<int64_t>(L.batch) * L.max_k_blocks * L.num_heads_kv;
 }
 
-// Grid: x over (key block of batch * max_k_blocks, KV head) pairs, the last key block first, then
-// (packed query block, query head) pairs, the head varying fastest in both. The keys come first and
-// backwards because the range pass, which reads them in the same head-fastest order, has just read
-// the last ones, which may still be in L2 (0.4-1.2% of KAP at 16K-32K tokens on an H200 when that
-// pass read every key; it now reads a sample, an eighth of their lines). With the
-// head fastest, the CTAs in flight together read whole token rows of q and of the pages (with the
-// head slowest, each head's CTAs came back to the same rows far apart in time; 1.4% of KAP at 32K).
-// Each thread owns one 16-byte chunk (8 channels) of every (128 / chunks per token)-th token of the
-// block, so that a warp's loads and stores cover whole token rows (coalesced), and holds its chunks
-// as loaded: the values are converted (and centred) once for amax and again for the quantisation,
-// the same float32 operations both times, which keeps the registers, and so the CTAs in flight per
-// SM, at what the loads need. (With a thread per token holding its whole row as floats, the pass
-// moved about 2.1 TB/s on the H200.)
+// Grid: x over (packed query block, query head) pairs, then (key block of batch * max_k_blocks, KV
+// head) pairs, the head varying fastest in both. The query blocks need nothing from the range
+// kernel, so they are quantised while it runs: their CTAs come first and wait for it only before
+// they exit (which keeps the chain's completion order), and only the key blocks, which are centred
+// on its ranges, wait for it before they start. With the head fastest, the CTAs in flight together
+// read whole token rows of q and of the pages (with the head slowest, each head's CTAs came back to
+// the same rows far apart in time; 1.4% of KAP at 32K).
+// One CTA's block of the quantisation pass (kap_quantize_kernel): a packed query block of one query
+// head, or a key block of one KV head, to e4m3 with its scale. Each thread owns one 16-byte chunk
+// (8 channels) of every (128 / chunks per token)-th token of the block, so that a warp's loads and
+// stores cover whole token rows (coalesced), and holds its chunks as loaded: the values are
+// converted (and centred) once for amax and again for the quantisation, the same float32 operations
+// both times, which keeps the registers, and so the CTAs in flight per SM, at what the loads need.
+// (With a thread per token holding its whole row as floats, the pass moved about 2.1 TB/s on the
+// H200.)
 template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(kQuantizeThreads)
-    kap_quantize_kernel(const KapDeviceArgs args) {
-  // A dependent launch after the range kernel, whose key ranges the key blocks read; q and the
-  // caches may come from the kernel before KAP.
-  cudaGridDependencySynchronize();
-  cudaTriggerProgrammaticLaunchCompletion();
-  if (inputs_rejected(args.layout)) return;
+__device__ __forceinline__ void quantize_block(const KapDeviceArgs& args, bool query_block) {
   constexpr int kChunksPerToken = kHeadDim / 8;
   constexpr int kTokenStep = kQuantizeThreads / kChunksPerToken;  // tokens between a thread's chunks
   constexpr int kChunks = kBlockSize / kTokenStep;                 // chunks per thread
   const PagedLayout& L = args.layout;
-  const int64_t key_ctas = quantize_key_ctas(L);
-  const bool query_block = static_cast<int64_t>(blockIdx.x) >= key_ctas;
-  const int64_t cta = query_block ? blockIdx.x - key_ctas : key_ctas - 1 - blockIdx.x;
+  const int64_t query_ctas = quantize_query_ctas(L);
+  const int64_t cta = query_block ? blockIdx.x : blockIdx.x - query_ctas;
   const int heads = query_block ? L.num_heads_q : L.num_heads_kv;
   const int head = static_cast<int>(cta % heads);
   const int block_index = static_cast<int>(cta / heads);  // g, or b * max_k_blocks + j
@@ -319,6 +314,21 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     }
     *reinterpret_cast<uint2*>(dst + kTokenStep * i * dst_token_stride) = make_uint2(words[0], words[1]);
   }
+}
+
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    kap_quantize_kernel(const KapDeviceArgs args) {
+  // A dependent launch after the range kernel. That kernel's CTAs passed their own grid-dependency
+  // wait before this grid could start, so every kernel before it (the input checks, the index
+  // kernel, whatever wrote q and the caches) has completed: the query blocks read q at once and
+  // wait only before exiting, the key blocks wait for the key ranges first.
+  const PagedLayout& L = args.layout;
+  const bool query_block = static_cast<int64_t>(blockIdx.x) < quantize_query_ctas(L);
+  if (!query_block) cudaGridDependencySynchronize();
+  cudaTriggerProgrammaticLaunchCompletion();
+  if (!inputs_rejected(L)) quantize_block<Element, kHeadDim>(args, query_block);
+  if (query_block) cudaGridDependencySynchronize();
 }
 
 }  // namespace cosa::kap
