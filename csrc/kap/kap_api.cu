@@ -18,16 +18,17 @@ namespace kap {
 namespace {
 
 constexpr int kIndexThreads = 1024;
-// Words (rm, then the key ranges) per zeroing CTA of the index kernel (four per thread); past one
+// Words (rm, the row tiles' counters, then the key ranges) per zeroing CTA of the index kernel (four per thread); past one
 // CTA per SM they loop.
 constexpr int64_t kZeroedWordsPerCta = 4 * kIndexThreads;
 
 // CTA 0: prefix sums over the batch of the query blocks (ceil(Lq_b / 128)) and scoring tiles
 // (ceil(ceil(Lq_b / s) / 128)) of each sequence, in chunks of kIndexThreads sequences. The other
-// CTAs zero the first `zeroed_words` words from rm on: the first head chunk's rm and, with the e4m3
-// proxy, the key ranges after it. The scoring pass folds its row maxima into a zeroed buffer (the
-// select kernels re-zero it for later chunks), the range kernel its channel ranges, and doing it
-// here rather than in a memset keeps the launches one chain of kernels.
+// CTAs zero the first `zeroed_words` words from rm on: the first head chunk's rm, the row tiles'
+// counters and, with the e4m3 proxy, the key ranges after them. The scoring pass folds its row
+// maxima into a zeroed buffer (the select kernels re-zero it for later chunks) and counts its warps
+// from zero, the range kernel folds its channel ranges, and doing it here rather than in a memset
+// keeps the launches one chain of kernels.
 __global__ void __launch_bounds__(kIndexThreads)
     kap_index_kernel(const int32_t* cu_seqlens_q, int batch, int stride, int32_t* q_block_start,
                      int32_t* tile_start, uint32_t* zeroed, int64_t zeroed_words) {
@@ -103,7 +104,9 @@ cudaError_t launch_select_warp(const KapDeviceArgs& args, cudaStream_t stream) {
       return launch_select_warp<kStride, 2 * kMaxElems>(args, stream);
     }
   }
-  const dim3 grid((args.layout.num_q_blocks + kSelectWarps - 1) / kSelectWarps, args.head_count);
+  const dim3 grid(static_cast<unsigned>(
+      static_cast<int64_t>((args.layout.num_q_blocks + kSelectWarps - 1) / kSelectWarps) *
+      args.head_count));
   return launch_dependent(kap_select_warp_kernel<kStride, kMaxElems>, grid,
                           dim3(32 * kSelectWarps), 0, stream, args);
 }
@@ -118,7 +121,7 @@ cudaError_t launch_select(const KapDeviceArgs& args, cudaStream_t stream) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(args.layout.num_q_blocks, args.head_count);
+  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(args.layout.num_q_blocks) * args.head_count));
   return launch_dependent(kernel, grid, dim3(kSelectThreads), smem, stream, args);
 }
 
@@ -225,6 +228,7 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
   args.tile_start = reinterpret_cast<const int32_t*>(base + ws.tile_start_offset);
   args.block_max = reinterpret_cast<float*>(base + ws.block_max_offset);
   args.row_max = reinterpret_cast<uint32_t*>(base + ws.row_max_offset);
+  args.tile_done = reinterpret_cast<uint32_t*>(base + ws.tile_done_offset);
   args.block_max_rows = ws.rows;
   if (params.precision == ProxyPrecision::kE4M3) {
     args.key_range = reinterpret_cast<uint32_t*>(base + ws.key_range_offset);
@@ -250,10 +254,14 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
     const int64_t per_unit = causal_work(args.tile_cols) / (2 * static_cast<int64_t>(num_sms));
     args.col_tiles_per_unit = static_cast<int>(
         per_unit < 1 ? 1 : (per_unit > kap::kMaxColTilesPerUnit ? kap::kMaxColTilesPerUnit : per_unit));
+    const int64_t col_tiles = (stride_cols + args.tile_cols - 1) / args.tile_cols;
+    args.units_per_tile =
+        static_cast<int>((col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit);
   }
 
-  // The first head chunk has heads_per_chunk heads (heads_per_chunk <= num_heads_q); with the e4m3
-  // proxy the key ranges that follow are zeroed in the same sweep.
+  // The first head chunk has heads_per_chunk heads (heads_per_chunk <= num_heads_q); the row
+  // tiles' counters and, with the e4m3 proxy, the key ranges that follow are zeroed in the same
+  // sweep.
   const int64_t zeroed_words =
       static_cast<int64_t>((ws.q8_offset - ws.row_max_offset) / sizeof(uint32_t));
   const int64_t zeroing_ctas = std::min<int64_t>(

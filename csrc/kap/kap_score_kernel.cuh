@@ -62,9 +62,9 @@ __device__ __forceinline__ void release_stage_and_refill(bool elected, uint32_t*
       : "memory");
 }
 
+// One scoring CTA's unit of column tiles (kap_score_kernel).
 template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
-__global__ void __launch_bounds__(kScoreThreads, 1)
-    kap_score_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
+__device__ __forceinline__ void score_unit(const KapDeviceArgs& args, const ScoreOperandMaps& maps) {
   using Elements = ProxyElementTraits<kElement>;
   constexpr bool kE4M3 = kElement == ProxyElement::kE4M3;
   constexpr int kRowElems = Elements::kRowElems;              // elements of one K slice row
@@ -83,15 +83,8 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   constexpr int kLoadsA = kTileRows / kLoadRows;             // per thread and step
   constexpr int kLoadsB = kTileCols / kLoadRows;
 
-  // A dependent launch (common/dependent_launch.h) after the index kernel or the previous head
-  // chunk's select kernel: the prefix sums, the zeroed rm buffer and the bm buffer that the
-  // previous chunk's selection reads are settled only past the wait. The select kernel may launch
-  // as soon as every CTA here has started: its CTAs then wait on SMs that this grid has left.
-  cudaGridDependencySynchronize();
-  cudaTriggerProgrammaticLaunchCompletion();
-  if (inputs_rejected(args.layout)) return;
   const PagedLayout& L = args.layout;
-  const int tile = args.num_tiles - 1 - static_cast<int>(blockIdx.z);  // longest tiles first
+  const int tile = score_row_tile(args);
   const int head = args.head_begin + static_cast<int>(blockIdx.x);
   const int total_tiles = __ldg(args.tile_start + L.batch);
   if (tile >= total_tiles) return;
@@ -463,6 +456,20 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   wgmma_wait<0>();
   if constexpr (kPublishLate) publish_block_maxima(pending_col0, pending_scales, pending_maxima);
   if constexpr (!kTmaLoads) cp_async_wait<0>();
+}
+
+template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
+__global__ void __launch_bounds__(kScoreThreads, 1)
+    kap_score_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
+  // A dependent launch (common/dependent_launch.h) after the index kernel, the quantisation kernel
+  // or the previous head chunk's select kernel: the prefix sums, the zeroed rm buffer and the bm
+  // buffer that the previous chunk's selection reads are settled only past the wait. The select
+  // kernel may launch as soon as every CTA here has started; its lists wait for their row tiles'
+  // counters, which every warp here advances on its way out.
+  cudaGridDependencySynchronize();
+  cudaTriggerProgrammaticLaunchCompletion();
+  if (!inputs_rejected(args.layout)) score_unit<kElement, kHeadDim, kStride, kCols>(args, maps);
+  publish_score_warp_done(args);
 }
 
 }  // namespace cosa::kap

@@ -39,11 +39,7 @@ cudaError_t launch_score_resident(const KapDeviceArgs& args, cudaStream_t stream
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
-  constexpr int kUnitCols = 256;
-  const int max_col_tiles =
-      ((args.layout.max_seqlen_k + kStride - 1) / kStride + kUnitCols - 1) / kUnitCols;
-  const int num_units = (max_col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit;
-  const dim3 grid(args.head_count, num_units, args.num_tiles);
+  const dim3 grid(args.head_count, args.units_per_tile, args.num_tiles);
   const PagedLayout& L = args.layout;
   constexpr int kGroupsPerBlock = kBlockSize / kStride;
   ScoreOperandMaps maps = {};
@@ -63,9 +59,7 @@ cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int max_col_tiles = ((args.layout.max_seqlen_k + kStride - 1) / kStride + kCols - 1) / kCols;
-  const int num_units = (max_col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit;
-  const dim3 grid(args.head_count, num_units, args.num_tiles);
+  const dim3 grid(args.head_count, args.units_per_tile, args.num_tiles);
   ScoreOperandMaps maps = {};
   if constexpr (kTmaOperands<kElement, kHeadDim>) {
     const PagedLayout& L = args.layout;

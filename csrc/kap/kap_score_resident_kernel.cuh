@@ -47,9 +47,10 @@ __device__ __forceinline__ void refill_key_stage(bool issue, uint64_t* full, uin
       : "memory");
 }
 
+// One scoring CTA's unit of column tiles (kap_score_resident_kernel).
 template <int kStride>
-__global__ void __launch_bounds__(kScoreThreads, 1)
-    kap_score_resident_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
+__device__ __forceinline__ void score_resident_unit(const KapDeviceArgs& args,
+                                                    const ScoreOperandMaps& maps) {
   using Tile = ResidentScoreTile<kStride>;
   constexpr int kAccs = kTileRows / 64;               // 64-row accumulators
   constexpr int kSteps = kStride;                     // K slices per column half (one token per group)
@@ -62,12 +63,8 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   constexpr int kAccRegs = kCols / 2;                  // one m64 x n128 fp32 accumulator
   static_assert(kGroups % 4 == 0, "a quad of lanes shares the key blocks of a half");
 
-  // A dependent launch, as kap_score_kernel.
-  cudaGridDependencySynchronize();
-  cudaTriggerProgrammaticLaunchCompletion();
-  if (inputs_rejected(args.layout)) return;
   const PagedLayout& L = args.layout;
-  const int tile = args.num_tiles - 1 - static_cast<int>(blockIdx.z);  // longest tiles first
+  const int tile = score_row_tile(args);
   const int head = args.head_begin + static_cast<int>(blockIdx.x);
   const int total_tiles = __ldg(args.tile_start + L.batch);
   if (tile >= total_tiles) return;
@@ -321,6 +318,16 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
       }
     }
   }
+}
+
+template <int kStride>
+__global__ void __launch_bounds__(kScoreThreads, 1)
+    kap_score_resident_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
+  // A dependent launch, and the row tiles' counters, as kap_score_kernel.
+  cudaGridDependencySynchronize();
+  cudaTriggerProgrammaticLaunchCompletion();
+  if (!inputs_rejected(args.layout)) score_resident_unit<kStride>(args, maps);
+  publish_score_warp_done(args);
 }
 
 }  // namespace cosa::kap

@@ -58,6 +58,7 @@ struct SelectList {
   uint32_t* row_max = nullptr;        // ordered_bits(rm[r]) at row_max[r]
   int diagonal = 0;                   // P_b / 128 + i: the candidates are blocks 0 .. diagonal
   int num_rows = 0;                   // stride rows of the block (fewer in a sequence's last block)
+  const uint32_t* row_tile_done = nullptr;  // the counter of the scoring row tile holding its rows
   bool valid = false;                 // false for padding rows past the batch's query blocks
 };
 
@@ -81,7 +82,26 @@ __device__ __forceinline__ SelectList locate_list(const KapDeviceArgs& args, int
   const int rows_before = block.block_in_seq * kRowsPerBlock;  // stride rows of earlier blocks
   list.num_rows = min(kRowsPerBlock, (block.seqlen_q + kStride - 1) / kStride - rows_before);
   list.valid = block.valid;
+  if (block.valid) {
+    // A row tile holds 128 stride rows: the stride rows of kStride query blocks.
+    const int tile = __ldg(args.tile_start + block.batch) + block.block_in_seq / kStride;
+    list.row_tile_done = row_tile_counter(args, args.head_begin + head_local, tile);
+  }
   return list;
+}
+
+// Returns once every scoring CTA of the list's row tile is done (kap_traits.h), so that a list is
+// selected as soon as its own rows are scored, while the scoring grid's last CTAs still run, rather
+// than after the whole grid. One thread polls; the caller then synchronises the list's warp or CTA,
+// which orders its reads of bm and rm after the poll's acquire.
+__device__ __forceinline__ void wait_for_row_tile(const KapDeviceArgs& args, const SelectList& list) {
+  const uint32_t complete = row_tile_complete(args);
+  for (;;) {
+    uint32_t done;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(list.row_tile_done) : "memory");
+    if (done >= complete) return;
+    __nanosleep(256);
+  }
 }
 
 // Threads 0 .. kRowsPerBlock-1 of the list's warp or CTA stage rm of one row each in `row_max`
@@ -185,25 +205,23 @@ __device__ __forceinline__ void finish_list(const SelectList& list, int max_k_bl
   if (thread == 0) *list.count_out = count;
 }
 
+// The CTA of one list (kap_select_block_kernel).
 template <int kStride>
-__global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const KapDeviceArgs args) {
-  // A dependent launch (common/dependent_launch.h) after the scoring kernel, whose bm and rm it
-  // reads; the next kernel (the next chunk's scoring pass, or OSK) may launch once every CTA here
-  // has started, and waits for this grid before reading anything it writes.
-  cudaGridDependencySynchronize();
-  cudaTriggerProgrammaticLaunchCompletion();
-  if (inputs_rejected(args.layout)) return;
+__device__ __forceinline__ void select_list_block(const KapDeviceArgs& args, int head_local,
+                                                  int q_block) {
   constexpr int kRowsPerBlock = kBlockSize / kStride;
   constexpr int kWarps = kSelectThreads / 32;
   const int max_k_blocks = args.layout.max_k_blocks;
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const SelectList list = locate_list<kStride>(args, blockIdx.y, blockIdx.x);
+  const SelectList list = locate_list<kStride>(args, head_local, q_block);
   if (!list.valid) {  // padding row
     finish_list(list, max_k_blocks, 0, tid, kSelectThreads);
     return;
   }
+  if (tid == 0) wait_for_row_tile(args, list);
+  __syncthreads();
   const int diagonal = list.diagonal;
   const int num_candidates = diagonal + 1;  // every candidate is allowed for every row
 
@@ -312,6 +330,35 @@ __global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const 
     list.order_row[k] = key_block(keys[kept.position(k)]);
   }
   finish_list(list, max_k_blocks, kept.count, tid, kSelectThreads);
+}
+
+// The select kernels' grid: x over (query block, query head) pairs, the head fastest and the last
+// query blocks first, in the order the scoring grid finishes its row tiles (longest rows first).
+__device__ __forceinline__ void select_grid_slot(const KapDeviceArgs& args, int lists_per_cta,
+                                                 int& head_local, int& first_q_block) {
+  const int slot = static_cast<int>(blockIdx.x);
+  const int groups = static_cast<int>(gridDim.x) / args.head_count;
+  head_local = slot % args.head_count;
+  first_q_block = (groups - 1 - slot / args.head_count) * lists_per_cta;
+}
+
+// A dependent launch (common/dependent_launch.h) after the scoring kernel, whose bm and rm it reads;
+// the next kernel (the next chunk's scoring pass, or OSK) may launch once every CTA here has
+// started, and waits for this grid before reading anything it writes. This grid can start only once
+// every scoring CTA has started (each triggers right past its own wait), so every kernel before
+// the scoring kernel has completed: the lists read the prefix sums and the input report at once and
+// wait on their row tiles' counters, which the scoring CTAs, all resident or done by then, complete.
+// The grid-dependency wait comes last, so that this grid still completes only after the scoring
+// grid, as the chain's completion order needs.
+template <int kStride>
+__global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const KapDeviceArgs args) {
+  cudaTriggerProgrammaticLaunchCompletion();
+  if (!inputs_rejected(args.layout)) {
+    int head_local, q_block;
+    select_grid_slot(args, 1, head_local, q_block);
+    select_list_block<kStride>(args, head_local, q_block);
+  }
+  cudaGridDependencySynchronize();
 }
 
 // Compare-exchange on 64-bit keys: `first` ends up with the larger key iff `descending`.
@@ -436,31 +483,22 @@ __device__ __forceinline__ void select_list_fitting(const KapDeviceArgs& args, c
   select_list_warp<kElems>(args, list, staged, hrm_local, lane);
 }
 
-// One warp per (query head, query block); lists of at most 32 * kMaxElems <= kWarpSortMax
-// candidates. The launch picks the smallest kMaxElems that holds the longest list: the register
-// file and the shared memory that the longest sort needs are what limit how many lists an SM works
-// on at once, and a list's sort is a chain of dependent shuffles that only other lists can hide.
-// Up to 256 keys: 8 CTAs per SM, so at most 64 registers, which those sorts fit without spilling
-// (longer sorts keep the 3 CTAs, 170 registers, they had).
+// The warp of one list (kap_select_warp_kernel).
 template <int kStride, int kMaxElems>
-__global__ void __launch_bounds__(32 * kSelectWarps, kMaxElems <= 8 ? 8 : 3)
-    kap_select_warp_kernel(const KapDeviceArgs args) {
-  static_assert(32 * kMaxElems <= kWarpSortMax, "the warp kernel sorts at most kWarpSortMax keys");
-  // A dependent launch, as kap_select_block_kernel.
-  cudaGridDependencySynchronize();
-  cudaTriggerProgrammaticLaunchCompletion();
-  if (inputs_rejected(args.layout)) return;
+__device__ __forceinline__ void select_list_of_warp(const KapDeviceArgs& args, int head_local,
+                                                    int q_block) {
   constexpr int kRowsPerBlock = kBlockSize / kStride;
   const int max_k_blocks = args.layout.max_k_blocks;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int q_block = blockIdx.x * kSelectWarps + warp;
   if (q_block >= args.layout.num_q_blocks) return;
-  const SelectList list = locate_list<kStride>(args, blockIdx.y, q_block);
+  const SelectList list = locate_list<kStride>(args, head_local, q_block);
   if (!list.valid) {  // padding row
     finish_list(list, max_k_blocks, 0, lane, 32);
     return;
   }
+  if (lane == 0) wait_for_row_tile(args, list);
+  __syncwarp();
   const int num_candidates = list.diagonal + 1;  // every candidate is allowed for every row
 
   __shared__ float row_max_all[kSelectWarps][kRowsPerBlock];
@@ -478,6 +516,27 @@ __global__ void __launch_bounds__(32 * kSelectWarps, kMaxElems <= 8 ? 8 : 3)
   }
   __syncwarp();
   select_list_fitting<1, kMaxElems>(args, list, staged, hrm_local, lane);
+}
+
+// One warp per (query head, query block); lists of at most 32 * kMaxElems <= kWarpSortMax
+// candidates. The launch picks the smallest kMaxElems that holds the longest list: the register
+// file and the shared memory that the longest sort needs are what limit how many lists an SM works
+// on at once, and a list's sort is a chain of dependent shuffles that only other lists can hide.
+// Up to 256 keys: 8 CTAs per SM, so at most 64 registers, which those sorts fit without spilling
+// (longer sorts keep the 3 CTAs, 170 registers, they had).
+template <int kStride, int kMaxElems>
+__global__ void __launch_bounds__(32 * kSelectWarps, kMaxElems <= 8 ? 8 : 3)
+    kap_select_warp_kernel(const KapDeviceArgs args) {
+  static_assert(32 * kMaxElems <= kWarpSortMax, "the warp kernel sorts at most kWarpSortMax keys");
+  // A dependent launch, and the row tiles' counters, as kap_select_block_kernel.
+  cudaTriggerProgrammaticLaunchCompletion();
+  if (!inputs_rejected(args.layout)) {
+    int head_local, first_q_block;
+    select_grid_slot(args, kSelectWarps, head_local, first_q_block);
+    select_list_of_warp<kStride, kMaxElems>(args, head_local,
+                                            first_q_block + static_cast<int>(threadIdx.x) / 32);
+  }
+  cudaGridDependencySynchronize();
 }
 
 }  // namespace cosa::kap

@@ -107,8 +107,9 @@ struct WorkspaceLayout {
   size_t tile_start_offset = 0;     // int32 [batch + 1]: first scoring tile of sequence b
   size_t block_max_offset = 0;      // fp32 [heads_per_chunk, rows, max_k_blocks]
   size_t row_max_offset = 0;        // ordered_bits(rm) [heads_per_chunk, rows], zero between passes
-  // With the e4m3 proxy only (else 0 bytes): the keys' channel ranges (zeroed with row_max, which
-  // they follow), the quantised copies and their per-block scales.
+  size_t tile_done_offset = 0;      // uint32 [Hq, score_tiles_bound]: scoring warps done per row tile
+  // With the e4m3 proxy only (else 0 bytes): the keys' channel ranges (zeroed with row_max and
+  // tile_done, which they follow), the quantised copies and their per-block scales.
   size_t key_range_offset = 0;  // ordered_bits [batch, Hkv, 2, d]: max, then -min, per channel
   size_t q8_offset = 0;       // e4m3 [num_q_blocks * 128, Hq, d], query i of packed block g at row
                               // 128 g + i, zeros past Lq
@@ -145,7 +146,10 @@ inline WorkspaceLayout workspace_layout(const KapParams& params) {
   }
   ws.heads_per_chunk = heads;
   ws.row_max_offset = ws.block_max_offset + region(head_bytes * heads);
-  ws.key_range_offset = ws.row_max_offset + region(sizeof(uint32_t) * ws.rows * heads);
+  ws.tile_done_offset = ws.row_max_offset + region(sizeof(uint32_t) * ws.rows * heads);
+  ws.key_range_offset =
+      ws.tile_done_offset +
+      region(sizeof(uint32_t) * layout.num_heads_q * score_tiles_bound(layout, params.stride));
   const bool e4m3 = params.precision == ProxyPrecision::kE4M3;
   const size_t head_dim = static_cast<size_t>(layout.head_dim);
   ws.q8_offset = ws.key_range_offset +
@@ -170,6 +174,7 @@ struct KapDeviceArgs {
   int num_tiles = 0;    // grid bound of the scoring kernel: row tiles
   int tile_cols = 256;         // scoring column tile: 128 or 256
   int col_tiles_per_unit = 1;  // column tiles one scoring CTA walks
+  int units_per_tile = 1;      // scoring CTAs per (query head, row tile): the grid's y
   float top_p = 0.95f;
   int32_t* order = nullptr;
   int32_t* counts = nullptr;
@@ -177,6 +182,7 @@ struct KapDeviceArgs {
   const int32_t* tile_start = nullptr;     // [batch + 1]
   float* block_max = nullptr;              // [head_count, rows, max_k_blocks]
   uint32_t* row_max = nullptr;             // ordered_bits of rm, [head_count, rows]
+  uint32_t* tile_done = nullptr;           // [Hq, num_tiles], zeroed by the index kernel
   int64_t block_max_rows = 0;
   // The e4m3 proxy's operands (WorkspaceLayout), null with the native one.
   uint32_t* key_range = nullptr;  // [batch, Hkv, 2, d]
@@ -218,6 +224,33 @@ __device__ __forceinline__ int find_sequence(const int32_t* start, int batch, in
     if (__ldg(start + mid) <= index) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// The row tile of a scoring CTA: blockIdx.z counts row tiles from the last (the longest rows first,
+// so that the CTAs with the most column tiles start first); blockIdx.x is the chunk's query head.
+__device__ __forceinline__ int score_row_tile(const KapDeviceArgs& args) {
+  return args.num_tiles - 1 - static_cast<int>(blockIdx.z);
+}
+
+// The selection of a query block may start once every scoring CTA of its row tile is done, not the
+// whole scoring grid (kap_select_kernel.cuh). Each warp of a scoring CTA counts itself done in its
+// (query head, row tile) counter when it leaves, on every path out of the kernel, after its block
+// maxima stores and row-maximum atomics; the counter is complete at units_per_tile CTAs of
+// kScoreWarps warps.
+constexpr int kScoreWarps = kScoreThreads / 32;
+__device__ __forceinline__ uint32_t* row_tile_counter(const KapDeviceArgs& args, int head, int tile) {
+  return args.tile_done + static_cast<int64_t>(head) * args.num_tiles + tile;
+}
+__device__ __forceinline__ uint32_t row_tile_complete(const KapDeviceArgs& args) {
+  return static_cast<uint32_t>(args.units_per_tile * kScoreWarps);
+}
+__device__ __forceinline__ void publish_score_warp_done(const KapDeviceArgs& args) {
+  __threadfence();  // this lane's bm stores and rm atomics, before the count
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) {
+    atomicAdd(row_tile_counter(args, args.head_begin + static_cast<int>(blockIdx.x), score_row_tile(args)),
+              1u);
+  }
 }
 
 }  // namespace cosa::kap
