@@ -333,6 +333,23 @@ def test_long_sequence_units_of_several_column_tiles(ops, proxy_precision):
         assert_valid(ops, p, 8, proxy_precision="native")
 
 
+@pytest.mark.parametrize("proxy_precision", ["native", "fp8"])
+def test_lists_of_a_head_do_not_depend_on_its_head_chunk(ops, proxy_precision):
+    """Past 512 MB of block maxima the query heads are scored and selected in chunks, and each list
+    is selected as soon as the scoring CTAs of its own row tile are done (one counter per query
+    head and row tile, zeroed once per call). At 64K tokens and stride 4, 32 query heads make two
+    chunks of 16: the second chunk's lists must be bitwise those of a call with its 16 heads alone
+    (one chunk), for both scoring kernels (native: row-split; fp8: the query tile resident)."""
+    p = problem([65536 - 45], [65536 - 45], hq=32, hkv=8, page_size=128, structure="mixed", seed=51)
+    order, counts = kap(ops, p, 4, proxy_precision=proxy_precision)
+    second = {**p, "q": p["q"][:, 16:].contiguous(), "k_cache": p["k_cache"][:, :, 4:].contiguous(),
+              "v_cache": p["v_cache"][:, :, 4:].contiguous()}
+    alone_order, alone_counts = kap(ops, second, 4, proxy_precision=proxy_precision)
+    assert torch.equal(counts[16:], alone_counts)
+    assert torch.equal(order[16:], alone_order)
+    assert (counts > 0).all()  # one sequence, no padding rows: every list was written
+
+
 def test_fp8_nan_poisons_its_block(ops):
     # A NaN in one key makes its whole 128-key block's proxy logits NaN on both paths.
     p = problem([640], [640], hq=4, hkv=2, page_size=64, structure="mixed", seed=13)
