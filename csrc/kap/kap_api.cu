@@ -18,14 +18,14 @@ namespace kap {
 namespace {
 
 constexpr int kIndexThreads = 1024;
-// Words (rm, the row tiles' counters, then the key ranges) per zeroing CTA of the index kernel (four per thread); past one
+// Words (rm, the query blocks' scoring counters, then the key ranges) per zeroing CTA of the index kernel (four per thread); past one
 // CTA per SM they loop.
 constexpr int64_t kZeroedWordsPerCta = 4 * kIndexThreads;
 
 // CTA 0: prefix sums over the batch of the query blocks (ceil(Lq_b / 128)) and scoring tiles
 // (ceil(ceil(Lq_b / s) / 128)) of each sequence, in chunks of kIndexThreads sequences. The other
-// CTAs zero the first `zeroed_words` words from rm on: the first head chunk's rm, the row tiles'
-// counters and, with the e4m3 proxy, the key ranges after them. The scoring pass folds its row
+// CTAs zero the first `zeroed_words` words from rm on: the first head chunk's rm, the query blocks'
+// scoring counters and, with the e4m3 proxy, the key ranges after them. The scoring pass folds its row
 // maxima into a zeroed buffer (the select kernels re-zero it for later chunks) and counts its warps
 // from zero, the range kernel folds its channel ranges, and doing it here rather than in a memset
 // keeps the launches one chain of kernels.
@@ -228,7 +228,7 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
   args.tile_start = reinterpret_cast<const int32_t*>(base + ws.tile_start_offset);
   args.block_max = reinterpret_cast<float*>(base + ws.block_max_offset);
   args.row_max = reinterpret_cast<uint32_t*>(base + ws.row_max_offset);
-  args.tile_done = reinterpret_cast<uint32_t*>(base + ws.tile_done_offset);
+  args.blocks_scored = reinterpret_cast<uint32_t*>(base + ws.blocks_scored_offset);
   args.block_max_rows = ws.rows;
   if (params.precision == ProxyPrecision::kE4M3) {
     args.key_range = reinterpret_cast<uint32_t*>(base + ws.key_range_offset);

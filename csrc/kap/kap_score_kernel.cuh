@@ -464,12 +464,14 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   // A dependent launch (common/dependent_launch.h) after the index kernel, the quantisation kernel
   // or the previous head chunk's select kernel: the prefix sums, the zeroed rm buffer and the bm
   // buffer that the previous chunk's selection reads are settled only past the wait. The select
-  // kernel may launch as soon as every CTA here has started; its lists wait for their row tiles'
-  // counters, which every warp here advances on its way out.
+  // kernel may launch as soon as every CTA here has started; its lists wait for their query blocks'
+  // counters, which every warp here advances on its way out (the select kernels do not wait where
+  // the inputs failed the checks).
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
-  if (!inputs_rejected(args.layout)) score_unit<kElement, kHeadDim, kStride, kCols>(args, maps);
-  publish_score_warp_done(args);
+  if (inputs_rejected(args.layout)) return;
+  score_unit<kElement, kHeadDim, kStride, kCols>(args, maps);
+  publish_score_warp_done<kStride>(args);
 }
 
 }  // namespace cosa::kap

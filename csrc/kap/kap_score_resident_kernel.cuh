@@ -323,11 +323,12 @@ __device__ __forceinline__ void score_resident_unit(const KapDeviceArgs& args,
 template <int kStride>
 __global__ void __launch_bounds__(kScoreThreads, 1)
     kap_score_resident_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
-  // A dependent launch, and the row tiles' counters, as kap_score_kernel.
+  // A dependent launch, and the query blocks' counters, as kap_score_kernel.
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
-  if (!inputs_rejected(args.layout)) score_resident_unit<kStride>(args, maps);
-  publish_score_warp_done(args);
+  if (inputs_rejected(args.layout)) return;
+  score_resident_unit<kStride>(args, maps);
+  publish_score_warp_done<kStride>(args);
 }
 
 }  // namespace cosa::kap

@@ -58,7 +58,6 @@ struct SelectList {
   uint32_t* row_max = nullptr;        // ordered_bits(rm[r]) at row_max[r]
   int diagonal = 0;                   // P_b / 128 + i: the candidates are blocks 0 .. diagonal
   int num_rows = 0;                   // stride rows of the block (fewer in a sequence's last block)
-  const uint32_t* row_tile_done = nullptr;  // the counter of the scoring row tile holding its rows
   bool valid = false;                 // false for padding rows past the batch's query blocks
 };
 
@@ -82,25 +81,28 @@ __device__ __forceinline__ SelectList locate_list(const KapDeviceArgs& args, int
   const int rows_before = block.block_in_seq * kRowsPerBlock;  // stride rows of earlier blocks
   list.num_rows = min(kRowsPerBlock, (block.seqlen_q + kStride - 1) / kStride - rows_before);
   list.valid = block.valid;
-  if (block.valid) {
-    // A row tile holds 128 stride rows: the stride rows of kStride query blocks.
-    const int tile = __ldg(args.tile_start + block.batch) + block.block_in_seq / kStride;
-    list.row_tile_done = row_tile_counter(args, args.head_begin + head_local, tile);
-  }
   return list;
 }
 
-// Returns once every scoring CTA of the list's row tile is done (kap_traits.h), so that a list is
-// selected as soon as its own rows are scored, while the scoring grid's last CTAs still run, rather
-// than after the whole grid. One thread polls; the caller then synchronises the list's warp or CTA,
-// which orders its reads of bm and rm after the poll's acquire.
-__device__ __forceinline__ void wait_for_row_tile(const KapDeviceArgs& args, const SelectList& list) {
-  const uint32_t complete = row_tile_complete(args);
-  for (;;) {
-    uint32_t done;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(list.row_tile_done) : "memory");
-    if (done >= complete) return;
+// The counter of a list's query block: every scoring CTA of its row tile is done once it reaches
+// block_scored_complete (kap_traits.h). The list's first load: an acquire, so that its reads of bm
+// and rm, which the caller orders after it by synchronising the list's warp or CTA, see that
+// scoring's stores; it is issued before locate_list's loads, whose latency it then shares.
+__device__ __forceinline__ uint32_t scored_warps(const uint32_t* counter) {
+  uint32_t done;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(counter) : "memory");
+  return done;
+}
+
+// Returns once the list's row tile is scored (one thread polls), so that a list is selected as
+// soon as its own rows are scored, while the scoring grid's last CTAs still run, rather than after
+// the whole grid. `done` is the first poll's count.
+__device__ __forceinline__ void wait_until_scored(const KapDeviceArgs& args, const uint32_t* counter,
+                                                  uint32_t done) {
+  const uint32_t complete = block_scored_complete(args);
+  while (done < complete) {
     __nanosleep(256);
+    done = scored_warps(counter);
   }
 }
 
@@ -215,12 +217,14 @@ __device__ __forceinline__ void select_list_block(const KapDeviceArgs& args, int
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
+  const uint32_t* counter = block_scored_counter(args, args.head_begin + head_local, q_block);
+  const uint32_t done = tid == 0 ? scored_warps(counter) : 0u;
   const SelectList list = locate_list<kStride>(args, head_local, q_block);
   if (!list.valid) {  // padding row
     finish_list(list, max_k_blocks, 0, tid, kSelectThreads);
     return;
   }
-  if (tid == 0) wait_for_row_tile(args, list);
+  if (tid == 0) wait_until_scored(args, counter, done);
   __syncthreads();
   const int diagonal = list.diagonal;
   const int num_candidates = diagonal + 1;  // every candidate is allowed for every row
@@ -347,7 +351,7 @@ __device__ __forceinline__ void select_grid_slot(const KapDeviceArgs& args, int 
 // started, and waits for this grid before reading anything it writes. This grid can start only once
 // every scoring CTA has started (each triggers right past its own wait), so every kernel before
 // the scoring kernel has completed: the lists read the prefix sums and the input report at once and
-// wait on their row tiles' counters, which the scoring CTAs, all resident or done by then, complete.
+// wait on their query blocks' counters, which the scoring CTAs, all resident or done by then, complete.
 // The grid-dependency wait comes last, so that this grid still completes only after the scoring
 // grid, as the chain's completion order needs.
 template <int kStride>
@@ -492,12 +496,14 @@ __device__ __forceinline__ void select_list_of_warp(const KapDeviceArgs& args, i
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   if (q_block >= args.layout.num_q_blocks) return;
+  const uint32_t* counter = block_scored_counter(args, args.head_begin + head_local, q_block);
+  const uint32_t done = lane == 0 ? scored_warps(counter) : 0u;
   const SelectList list = locate_list<kStride>(args, head_local, q_block);
   if (!list.valid) {  // padding row
     finish_list(list, max_k_blocks, 0, lane, 32);
     return;
   }
-  if (lane == 0) wait_for_row_tile(args, list);
+  if (lane == 0) wait_until_scored(args, counter, done);
   __syncwarp();
   const int num_candidates = list.diagonal + 1;  // every candidate is allowed for every row
 
@@ -528,7 +534,7 @@ template <int kStride, int kMaxElems>
 __global__ void __launch_bounds__(32 * kSelectWarps, kMaxElems <= 8 ? 8 : 3)
     kap_select_warp_kernel(const KapDeviceArgs args) {
   static_assert(32 * kMaxElems <= kWarpSortMax, "the warp kernel sorts at most kWarpSortMax keys");
-  // A dependent launch, and the row tiles' counters, as kap_select_block_kernel.
+  // A dependent launch, and the query blocks' scoring counters, as kap_select_block_kernel.
   cudaTriggerProgrammaticLaunchCompletion();
   if (!inputs_rejected(args.layout)) {
     int head_local, first_q_block;

@@ -107,9 +107,9 @@ struct WorkspaceLayout {
   size_t tile_start_offset = 0;     // int32 [batch + 1]: first scoring tile of sequence b
   size_t block_max_offset = 0;      // fp32 [heads_per_chunk, rows, max_k_blocks]
   size_t row_max_offset = 0;        // ordered_bits(rm) [heads_per_chunk, rows], zero between passes
-  size_t tile_done_offset = 0;      // uint32 [Hq, score_tiles_bound]: scoring warps done per row tile
+  size_t blocks_scored_offset = 0;  // uint32 [Hq, num_q_blocks]: scoring warps done per query block
   // With the e4m3 proxy only (else 0 bytes): the keys' channel ranges (zeroed with row_max and
-  // tile_done, which they follow), the quantised copies and their per-block scales.
+  // blocks_scored, which they follow), the quantised copies and their per-block scales.
   size_t key_range_offset = 0;  // ordered_bits [batch, Hkv, 2, d]: max, then -min, per channel
   size_t q8_offset = 0;       // e4m3 [num_q_blocks * 128, Hq, d], query i of packed block g at row
                               // 128 g + i, zeros past Lq
@@ -146,10 +146,10 @@ inline WorkspaceLayout workspace_layout(const KapParams& params) {
   }
   ws.heads_per_chunk = heads;
   ws.row_max_offset = ws.block_max_offset + region(head_bytes * heads);
-  ws.tile_done_offset = ws.row_max_offset + region(sizeof(uint32_t) * ws.rows * heads);
+  ws.blocks_scored_offset = ws.row_max_offset + region(sizeof(uint32_t) * ws.rows * heads);
   ws.key_range_offset =
-      ws.tile_done_offset +
-      region(sizeof(uint32_t) * layout.num_heads_q * score_tiles_bound(layout, params.stride));
+      ws.blocks_scored_offset +
+      region(sizeof(uint32_t) * layout.num_heads_q * static_cast<size_t>(layout.num_q_blocks));
   const bool e4m3 = params.precision == ProxyPrecision::kE4M3;
   const size_t head_dim = static_cast<size_t>(layout.head_dim);
   ws.q8_offset = ws.key_range_offset +
@@ -182,7 +182,7 @@ struct KapDeviceArgs {
   const int32_t* tile_start = nullptr;     // [batch + 1]
   float* block_max = nullptr;              // [head_count, rows, max_k_blocks]
   uint32_t* row_max = nullptr;             // ordered_bits of rm, [head_count, rows]
-  uint32_t* tile_done = nullptr;           // [Hq, num_tiles], zeroed by the index kernel
+  uint32_t* blocks_scored = nullptr;       // [Hq, num_q_blocks], zeroed by the index kernel
   int64_t block_max_rows = 0;
   // The e4m3 proxy's operands (WorkspaceLayout), null with the native one.
   uint32_t* key_range = nullptr;  // [batch, Hkv, 2, d]
@@ -233,23 +233,33 @@ __device__ __forceinline__ int score_row_tile(const KapDeviceArgs& args) {
 }
 
 // The selection of a query block may start once every scoring CTA of its row tile is done, not the
-// whole scoring grid (kap_select_kernel.cuh). Each warp of a scoring CTA counts itself done in its
-// (query head, row tile) counter when it leaves, on every path out of the kernel, after its block
-// maxima stores and row-maximum atomics; the counter is complete at units_per_tile CTAs of
-// kScoreWarps warps.
+// whole scoring grid (kap_select_kernel.cuh). Each warp of a scoring CTA counts itself done in the
+// counters of its row tile's query blocks (one per query head and packed query block) when it
+// leaves, after its block maxima stores and row-maximum atomics; a block's counter is complete at
+// units_per_tile CTAs of kScoreWarps warps.
 constexpr int kScoreWarps = kScoreThreads / 32;
-__device__ __forceinline__ uint32_t* row_tile_counter(const KapDeviceArgs& args, int head, int tile) {
-  return args.tile_done + static_cast<int64_t>(head) * args.num_tiles + tile;
+__device__ __forceinline__ uint32_t* block_scored_counter(const KapDeviceArgs& args, int head,
+                                                          int q_block) {
+  return args.blocks_scored + static_cast<int64_t>(head) * args.layout.num_q_blocks + q_block;
 }
-__device__ __forceinline__ uint32_t row_tile_complete(const KapDeviceArgs& args) {
+__device__ __forceinline__ uint32_t block_scored_complete(const KapDeviceArgs& args) {
   return static_cast<uint32_t>(args.units_per_tile * kScoreWarps);
 }
+// Called by every warp of a scoring CTA on its way out, with inputs that passed the checks. A row
+// tile holds 128 stride rows: the stride rows of kStride query blocks (fewer at a sequence's end).
+template <int kStride>
 __device__ __forceinline__ void publish_score_warp_done(const KapDeviceArgs& args) {
-  __threadfence();  // this lane's bm stores and rm atomics, before the count
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) {
-    atomicAdd(row_tile_counter(args, args.head_begin + static_cast<int>(blockIdx.x), score_row_tile(args)),
-              1u);
+  const PagedLayout& L = args.layout;
+  const int tile = score_row_tile(args);
+  __syncwarp();  // the lanes' stores and atomics are ordered before the release below
+  if (tile >= __ldg(args.tile_start + L.batch)) return;  // a grid slot past the batch's tiles
+  const int b = find_sequence(args.tile_start, L.batch, tile);
+  const int first = __ldg(args.q_block_start + b) + (tile - __ldg(args.tile_start + b)) * kStride;
+  const int blocks = min(kStride, __ldg(args.q_block_start + b + 1) - first);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (lane < blocks) {
+    uint32_t* counter = block_scored_counter(args, args.head_begin + static_cast<int>(blockIdx.x), first + lane);
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
   }
 }
 
