@@ -52,8 +52,13 @@ static const Case kCases[] = {
     {"fp8-128K", 131072, 32, 8, cosa::ProxyPrecision::kE4M3},
     {"fp8-32K-6-per-kv", 32768, 24, 4, cosa::ProxyPrecision::kE4M3},
     {"fp8-16K", 16384, 32, 8, cosa::ProxyPrecision::kE4M3},
-    // The attention shape of Qwen2.5-1.5B (12 query heads, 2 KV heads).
+    // The attention shape of Qwen2.5-1.5B (12 query heads, 2 KV heads); at 8K and 16K with both
+    // proxies, where "auto" switches from one to the other.
     {"fp8-32K-12q-2kv", 32768, 12, 2, cosa::ProxyPrecision::kE4M3},
+    {"fp8-8K-12q-2kv", 8192, 12, 2, cosa::ProxyPrecision::kE4M3},
+    {"native-8K-12q-2kv", 8192, 12, 2, cosa::ProxyPrecision::kNative},
+    {"fp8-16K-12q-2kv", 16384, 12, 2, cosa::ProxyPrecision::kE4M3},
+    {"native-16K-12q-2kv", 16384, 12, 2, cosa::ProxyPrecision::kNative},
     // Both proxies at 4K and 8K: where the fp8 one starts to pay (proxy_precision "auto").
     {"fp8-4K", 4096, 32, 8, cosa::ProxyPrecision::kE4M3},
     // The other strides.

@@ -4,15 +4,16 @@
 // may start while the one before it finishes, and waits for it before touching global memory):
 //   1. kap_index_kernel: per sequence, the first packed query block and the first scoring tile
 //      (prefix sums over the batch, so that no host synchronisation is needed); its other CTAs
-//      zero the rm buffer of the first head chunk;
+//      zero the rm buffer of the first head chunk and the query blocks' scoring counters;
 //   2. kap_score_kernel (kap_score_kernel.cuh), or for the e4m3 copies at d = 128 and s <= 8 on
 //      256-column tiles kap_score_resident_kernel (kap_score_resident_kernel.cuh): the strided
 //      proxy GEMM Qs Ks^T on tensor cores; its epilogue reduces each stride row's logits to the
 //      per-key-block maxima bm[r, j], stores them in the workspace and folds them into the row
 //      maxima rm[r] (atomic maxima, into a zeroed buffer);
-//   3. kap_select_*_kernel (kap_select_kernel.cuh): per (query head, query block), Pbar, S and the
-//      HRM flags in one read of bm, the flag-grouped sort, top-p and the ordered list; each list
-//      zeroes the rm entries it read, which leaves the buffer zeroed for the next head chunk.
+//   3. kap_select_*_kernel (kap_select_kernel.cuh): per (query head, query block), once the scoring
+//      CTAs of its row tile are done (their warps count themselves in the block's counter), Pbar, S
+//      and the HRM flags in one read of bm, the flag-grouped sort, top-p and the ordered list; each
+//      list zeroes the rm entries it read, which leaves the buffer zeroed for the next head chunk.
 // Steps 2-3 repeat per chunk of query heads so that the bm buffer stays below kMaxBlockMaxBytes
 // (no O(N^2) buffer: bm is O(N^2 / (128 s)) per head, 64 MB per head at 128K tokens and s = 8).
 #pragma once
