@@ -64,7 +64,8 @@ __device__ __forceinline__ void release_stage_and_refill(bool elected, uint32_t*
 
 // One scoring CTA's unit of column tiles (kap_score_kernel).
 template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
-__device__ __forceinline__ void score_unit(const KapDeviceArgs& args, const ScoreOperandMaps& maps) {
+__device__ __forceinline__ void score_unit(const KapDeviceArgs& args, const ScoreOperandMaps& maps,
+                                           const ScoreRowTile& row_tile) {
   using Elements = ProxyElementTraits<kElement>;
   constexpr bool kE4M3 = kElement == ProxyElement::kE4M3;
   constexpr int kRowElems = Elements::kRowElems;              // elements of one K slice row
@@ -84,27 +85,16 @@ __device__ __forceinline__ void score_unit(const KapDeviceArgs& args, const Scor
   constexpr int kLoadsB = kTileCols / kLoadRows;
 
   const PagedLayout& L = args.layout;
-  const int tile = score_row_tile(args);
-  const int head = args.head_begin + static_cast<int>(blockIdx.x);
-  const int total_tiles = __ldg(args.tile_start + L.batch);
-  if (tile >= total_tiles) return;
-  const int b = find_sequence(args.tile_start, L.batch, tile);
-  const int q_begin = __ldg(L.cu_seqlens_q + b);
-  const int len_q = __ldg(L.cu_seqlens_q + b + 1) - q_begin;
-  const int len_k = __ldg(L.seqused_k + b);
-  const int prefix_cols = (len_k - len_q) / kStride;  // P / s
-  const int num_rows = (len_q + kStride - 1) / kStride;
-  const int row0 = (tile - __ldg(args.tile_start + b)) * kTileRows;
-  const int row_last = min(row0 + kTileRows, num_rows) - 1;
+  const int head = row_tile.head, kv_head = row_tile.kv_head, b = row_tile.b;
+  const int q_begin = row_tile.q_begin, len_q = row_tile.len_q, len_k = row_tile.len_k;
+  const int prefix_cols = row_tile.prefix_cols, num_rows = row_tile.num_rows;
+  const int row0 = row_tile.row0, row_last = row_tile.row_last;
+  const int64_t first_row = row_tile.first_row;
   const int col_tile_begin = static_cast<int>(blockIdx.y) * args.col_tiles_per_unit;
   const int num_col_tiles =
       min((row_last + prefix_cols) / kTileCols + 1 - col_tile_begin, args.col_tiles_per_unit);
   if (num_col_tiles <= 0) return;
   const int total_steps = num_col_tiles * kSteps;
-  const int kv_head = head / (L.num_heads_q / L.num_heads_kv);
-  // Stride row r of sequence b is row first_row + r of bm and rm; with the e4m3 proxy its group of
-  // queries is group first_row + r of the query copy.
-  const int64_t first_row = static_cast<int64_t>(__ldg(args.q_block_start + b)) * kRowsPerBlock;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
@@ -470,8 +460,10 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
   if (inputs_rejected(args.layout)) return;
-  score_unit<kElement, kHeadDim, kStride, kCols>(args, maps);
-  publish_score_warp_done<kStride>(args);
+  const ScoreRowTile row_tile = locate_score_row_tile<kStride>(args);
+  if (!row_tile.valid) return;  // a grid slot past the batch's tiles: no list waits on it
+  score_unit<kElement, kHeadDim, kStride, kCols>(args, maps, row_tile);
+  publish_score_warp_done<kStride>(args, row_tile);
 }
 
 }  // namespace cosa::kap

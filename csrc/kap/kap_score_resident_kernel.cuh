@@ -50,7 +50,8 @@ __device__ __forceinline__ void refill_key_stage(bool issue, uint64_t* full, uin
 // One scoring CTA's unit of column tiles (kap_score_resident_kernel).
 template <int kStride>
 __device__ __forceinline__ void score_resident_unit(const KapDeviceArgs& args,
-                                                    const ScoreOperandMaps& maps) {
+                                                    const ScoreOperandMaps& maps,
+                                                    const ScoreRowTile& row_tile) {
   using Tile = ResidentScoreTile<kStride>;
   constexpr int kAccs = kTileRows / 64;               // 64-row accumulators
   constexpr int kSteps = kStride;                     // K slices per column half (one token per group)
@@ -64,26 +65,16 @@ __device__ __forceinline__ void score_resident_unit(const KapDeviceArgs& args,
   static_assert(kGroups % 4 == 0, "a quad of lanes shares the key blocks of a half");
 
   const PagedLayout& L = args.layout;
-  const int tile = score_row_tile(args);
-  const int head = args.head_begin + static_cast<int>(blockIdx.x);
-  const int total_tiles = __ldg(args.tile_start + L.batch);
-  if (tile >= total_tiles) return;
-  const int b = find_sequence(args.tile_start, L.batch, tile);
-  const int q_begin = __ldg(L.cu_seqlens_q + b);
-  const int len_q = __ldg(L.cu_seqlens_q + b + 1) - q_begin;
-  const int len_k = __ldg(L.seqused_k + b);
-  const int prefix_cols = (len_k - len_q) / kStride;  // P / s
-  const int num_rows = (len_q + kStride - 1) / kStride;
-  const int row0 = (tile - __ldg(args.tile_start + b)) * kTileRows;
-  const int row_last = min(row0 + kTileRows, num_rows) - 1;
+  const int head = row_tile.head, kv_head = row_tile.kv_head, b = row_tile.b;
+  const int prefix_cols = row_tile.prefix_cols, num_rows = row_tile.num_rows;
+  const int row0 = row_tile.row0, row_last = row_tile.row_last;
+  const int64_t first_row = row_tile.first_row;
   // The unit's column tiles, counted by the launch 256 columns wide, as 128-column halves; only
   // the halves that hold an allowed column of some row of the tile.
   const int half_begin = 2 * static_cast<int>(blockIdx.y) * args.col_tiles_per_unit;
   const int half_end =
       min(half_begin + 2 * args.col_tiles_per_unit, (row_last + prefix_cols) / kCols + 1);
   if (half_end <= half_begin) return;
-  const int kv_head = head / (L.num_heads_q / L.num_heads_kv);
-  const int64_t first_row = static_cast<int64_t>(__ldg(args.q_block_start + b)) * kRowsPerBlock;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
@@ -327,8 +318,10 @@ __global__ void __launch_bounds__(kScoreThreads, 1)
   cudaGridDependencySynchronize();
   cudaTriggerProgrammaticLaunchCompletion();
   if (inputs_rejected(args.layout)) return;
-  score_resident_unit<kStride>(args, maps);
-  publish_score_warp_done<kStride>(args);
+  const ScoreRowTile row_tile = locate_score_row_tile<kStride>(args);
+  if (!row_tile.valid) return;  // as kap_score_kernel
+  score_resident_unit<kStride>(args, maps, row_tile);
+  publish_score_warp_done<kStride>(args, row_tile);
 }
 
 }  // namespace cosa::kap

@@ -227,10 +227,42 @@ __device__ __forceinline__ int find_sequence(const int32_t* start, int batch, in
   return lo;
 }
 
-// The row tile of a scoring CTA: blockIdx.z counts row tiles from the last (the longest rows first,
-// so that the CTAs with the most column tiles start first); blockIdx.x is the chunk's query head.
-__device__ __forceinline__ int score_row_tile(const KapDeviceArgs& args) {
-  return args.num_tiles - 1 - static_cast<int>(blockIdx.z);
+// The row tile of a scoring CTA and its sequence's geometry in stride rows and columns, located once
+// for the kernel body and its completion counters. blockIdx.z counts row tiles from the last (the
+// longest rows first, so that the CTAs with the most column tiles start first), blockIdx.x is the
+// chunk's query head; `valid` is false for a grid slot past the batch's tiles.
+struct ScoreRowTile {
+  bool valid = false;
+  int head = 0, kv_head = 0;
+  int b = 0;            // the sequence
+  int q_begin = 0;      // its first query token
+  int len_q = 0, len_k = 0;
+  int prefix_cols = 0;  // P / s
+  int num_rows = 0;     // its stride rows
+  int row0 = 0, row_last = 0;  // the tile's first and last stride rows in the sequence
+  // Stride row r of sequence b is row first_row + r of bm and rm; with the e4m3 proxy its group of
+  // queries is group first_row + r of the query copy.
+  int64_t first_row = 0;
+};
+template <int kStride>
+__device__ __forceinline__ ScoreRowTile locate_score_row_tile(const KapDeviceArgs& args) {
+  const PagedLayout& L = args.layout;
+  ScoreRowTile t;
+  const int tile = args.num_tiles - 1 - static_cast<int>(blockIdx.z);
+  if (tile >= __ldg(args.tile_start + L.batch)) return t;
+  t.valid = true;
+  t.head = args.head_begin + static_cast<int>(blockIdx.x);
+  t.kv_head = t.head / (L.num_heads_q / L.num_heads_kv);
+  t.b = find_sequence(args.tile_start, L.batch, tile);
+  t.q_begin = __ldg(L.cu_seqlens_q + t.b);
+  t.len_q = __ldg(L.cu_seqlens_q + t.b + 1) - t.q_begin;
+  t.len_k = __ldg(L.seqused_k + t.b);
+  t.prefix_cols = (t.len_k - t.len_q) / kStride;
+  t.num_rows = (t.len_q + kStride - 1) / kStride;
+  t.row0 = (tile - __ldg(args.tile_start + t.b)) * kTileRows;
+  t.row_last = min(t.row0 + kTileRows, t.num_rows) - 1;
+  t.first_row = static_cast<int64_t>(__ldg(args.q_block_start + t.b)) * (kBlockSize / kStride);
+  return t;
 }
 
 // The selection of a query block may start once every scoring CTA of its row tile is done, not the
@@ -246,20 +278,18 @@ __device__ __forceinline__ uint32_t* block_scored_counter(const KapDeviceArgs& a
 __device__ __forceinline__ uint32_t block_scored_complete(const KapDeviceArgs& args) {
   return static_cast<uint32_t>(args.units_per_tile * kScoreWarps);
 }
-// Called by every warp of a scoring CTA on its way out, with inputs that passed the checks. A row
-// tile holds 128 stride rows: the stride rows of kStride query blocks (fewer at a sequence's end).
+// Called by every warp of a scoring CTA of a real row tile on its way out, with inputs that passed
+// the checks. Stride row r lies in query block r / (128 / s) of its sequence.
 template <int kStride>
-__device__ __forceinline__ void publish_score_warp_done(const KapDeviceArgs& args) {
-  const PagedLayout& L = args.layout;
-  const int tile = score_row_tile(args);
+__device__ __forceinline__ void publish_score_warp_done(const KapDeviceArgs& args,
+                                                        const ScoreRowTile& t) {
+  constexpr int kRowsPerBlock = kBlockSize / kStride;
   __syncwarp();  // the lanes' stores and atomics are ordered before the release below
-  if (tile >= __ldg(args.tile_start + L.batch)) return;  // a grid slot past the batch's tiles
-  const int b = find_sequence(args.tile_start, L.batch, tile);
-  const int first = __ldg(args.q_block_start + b) + (tile - __ldg(args.tile_start + b)) * kStride;
-  const int blocks = min(kStride, __ldg(args.q_block_start + b + 1) - first);
+  const int first = static_cast<int>(t.first_row / kRowsPerBlock) + t.row0 / kRowsPerBlock;
+  const int blocks = t.row_last / kRowsPerBlock - t.row0 / kRowsPerBlock + 1;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (lane < blocks) {
-    uint32_t* counter = block_scored_counter(args, args.head_begin + static_cast<int>(blockIdx.x), first + lane);
+    uint32_t* counter = block_scored_counter(args, t.head, first + lane);
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
   }
 }
