@@ -85,18 +85,19 @@ __device__ __forceinline__ SelectList locate_list(const KapDeviceArgs& args, int
 }
 
 // The counter of a list's query block: every scoring CTA of its row tile is done once it reaches
-// block_scored_complete (kap_traits.h). The list's first load: an acquire, so that its reads of bm
-// and rm, which the caller orders after it by synchronising the list's warp or CTA, see that
-// scoring's stores; it is issued before locate_list's loads, whose latency it then shares.
+// block_scored_complete (kap_traits.h). Read relaxed, so that the list's first poll goes out beside
+// locate_list's loads; wait_until_scored ends with the fence that makes the polls an acquire.
 __device__ __forceinline__ uint32_t scored_warps(const uint32_t* counter) {
   uint32_t done;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(counter) : "memory");
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(counter) : "memory");
   return done;
 }
 
 // Returns once the list's row tile is scored (one thread polls), so that a list is selected as
 // soon as its own rows are scored, while the scoring grid's last CTAs still run, rather than after
-// the whole grid. `done` is the first poll's count.
+// the whole grid. `done` is the first poll's count. The fence after the last poll makes it an
+// acquire (it synchronises with the scoring warps' releases), and the caller orders the list's
+// reads of bm and rm after it by synchronising the list's warp or CTA.
 __device__ __forceinline__ void wait_until_scored(const KapDeviceArgs& args, const uint32_t* counter,
                                                   uint32_t done) {
   const uint32_t complete = block_scored_complete(args);
@@ -104,6 +105,7 @@ __device__ __forceinline__ void wait_until_scored(const KapDeviceArgs& args, con
     __nanosleep(256);
     done = scored_warps(counter);
   }
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 // Threads 0 .. kRowsPerBlock-1 of the list's warp or CTA stage rm of one row each in `row_max`
