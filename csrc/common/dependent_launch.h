@@ -11,11 +11,11 @@
 // the guarantee transitive along the chain. One exception, within KAP's chain, where the
 // predecessor is known: every CTA of a KAP kernel triggers its dependents only past its own wait,
 // so a dependent CTA runs only after every kernel before its predecessor has completed, and may
-// read what those wrote before its own wait (the quantisation kernel's query blocks read q while the
-// range kernel runs; the select kernels read the prefix sums and wait for their own rows' scoring
-// through counters), still calling the wait before it exits. The wait returns at once when no kernel precedes, and
-// stream capture records the attribute as a programmatic graph edge, so the same code runs eagerly
-// and inside a CUDA graph.
+// read what those wrote before its own wait (the quantisation kernel's query blocks read q while
+// the range kernel runs; the select kernels read the prefix sums and wait for their own rows'
+// scoring through counters), still calling the wait before it exits. The wait returns at once when
+// no kernel precedes, and stream capture records the attribute as a programmatic graph edge, so the
+// same code runs eagerly and inside a CUDA graph.
 #pragma once
 
 #include <utility>

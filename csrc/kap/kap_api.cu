@@ -18,17 +18,17 @@ namespace kap {
 namespace {
 
 constexpr int kIndexThreads = 1024;
-// Words (rm, the query blocks' scoring counters, then the key ranges) per zeroing CTA of the index kernel (four per thread); past one
-// CTA per SM they loop.
+// Words (rm, the query blocks' scoring counters, then the key ranges) per zeroing CTA of the index
+// kernel (four per thread); past one CTA per SM they loop.
 constexpr int64_t kZeroedWordsPerCta = 4 * kIndexThreads;
 
 // CTA 0: prefix sums over the batch of the query blocks (ceil(Lq_b / 128)) and scoring tiles
 // (ceil(ceil(Lq_b / s) / 128)) of each sequence, in chunks of kIndexThreads sequences. The other
 // CTAs zero the first `zeroed_words` words from rm on: the first head chunk's rm, the query blocks'
-// scoring counters and, with the e4m3 proxy, the key ranges after them. The scoring pass folds its row
-// maxima into a zeroed buffer (the select kernels re-zero it for later chunks) and counts its warps
-// from zero, the range kernel folds its channel ranges, and doing it here rather than in a memset
-// keeps the launches one chain of kernels.
+// scoring counters and, with the e4m3 proxy, the key ranges after them. The scoring pass folds its
+// row maxima into a zeroed buffer (the select kernels re-zero it for later chunks) and counts its
+// warps from zero, the range kernel folds its channel ranges, and doing it here rather than in a
+// memset keeps the launches one chain of kernels.
 __global__ void __launch_bounds__(kIndexThreads)
     kap_index_kernel(const int32_t* cu_seqlens_q, int batch, int stride, int32_t* q_block_start,
                      int32_t* tile_start, uint32_t* zeroed, int64_t zeroed_words) {
@@ -121,7 +121,8 @@ cudaError_t launch_select(const KapDeviceArgs& args, cudaStream_t stream) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(args.layout.num_q_blocks) * args.head_count));
+  const dim3 grid(
+      static_cast<unsigned>(static_cast<int64_t>(args.layout.num_q_blocks) * args.head_count));
   return launch_dependent(kernel, grid, dim3(kSelectThreads), smem, stream, args);
 }
 
@@ -259,9 +260,9 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
         static_cast<int>((col_tiles + args.col_tiles_per_unit - 1) / args.col_tiles_per_unit);
   }
 
-  // The first head chunk has heads_per_chunk heads (heads_per_chunk <= num_heads_q); the row
-  // tiles' counters and, with the e4m3 proxy, the key ranges that follow are zeroed in the same
-  // sweep.
+  // The first head chunk has heads_per_chunk heads (heads_per_chunk <= num_heads_q); the query
+  // blocks' scoring counters and, with the e4m3 proxy, the key ranges that follow are zeroed in the
+  // same sweep.
   const int64_t zeroed_words =
       static_cast<int64_t>((ws.q8_offset - ws.row_max_offset) / sizeof(uint32_t));
   const int64_t zeroing_ctas = std::min<int64_t>(

@@ -178,13 +178,6 @@ __host__ __device__ __forceinline__ int64_t quantize_ctas(const PagedLayout& L) 
   return quantize_query_ctas(L) + static_cast<int64_t>(L.batch) * L.max_k_blocks * L.num_heads_kv;
 }
 
-// Grid: x over (packed query block, query head) pairs, then (key block of batch * max_k_blocks, KV
-// head) pairs, the head varying fastest in both. The query blocks need nothing from the range
-// kernel, so they are quantised while it runs: their CTAs come first and wait for it only before
-// they exit (which keeps the chain's completion order), and only the key blocks, which are centred
-// on its ranges, wait for it before they start. With the head fastest, the CTAs in flight together
-// read whole token rows of q and of the pages (with the head slowest, each head's CTAs came back to
-// the same rows far apart in time; 1.4% of KAP at 32K).
 // One CTA's block of the quantisation pass (kap_quantize_kernel): a packed query block of one query
 // head, or a key block of one KV head, to e4m3 with its scale. Each thread owns one 16-byte chunk
 // (8 channels) of every (128 / chunks per token)-th token of the block, so that a warp's loads and
@@ -316,6 +309,13 @@ __device__ __forceinline__ void quantize_block(const KapDeviceArgs& args, bool q
   }
 }
 
+// Grid: x over (packed query block, query head) pairs, then (key block of batch * max_k_blocks, KV
+// head) pairs, the head varying fastest in both. The query blocks need nothing from the range
+// kernel, so they are quantised while it runs: their CTAs come first and wait for it only before
+// they exit (which keeps the chain's completion order), and only the key blocks, which are centred
+// on its ranges, wait for it before they start. With the head fastest, the CTAs in flight together
+// read whole token rows of q and of the pages (with the head slowest, each head's CTAs came back to
+// the same rows far apart in time; 1.4% of KAP at 32K).
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kQuantizeThreads)
     kap_quantize_kernel(const KapDeviceArgs args) {

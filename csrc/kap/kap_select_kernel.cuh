@@ -98,8 +98,8 @@ __device__ __forceinline__ uint32_t scored_warps(const uint32_t* counter) {
 // the whole grid. `done` is the first poll's count. The fence after the last poll makes it an
 // acquire (it synchronises with the scoring warps' releases), and the caller orders the list's
 // reads of bm and rm after it by synchronising the list's warp or CTA.
-__device__ __forceinline__ void wait_until_scored(const KapDeviceArgs& args, const uint32_t* counter,
-                                                  uint32_t done) {
+__device__ __forceinline__ void wait_until_scored(const KapDeviceArgs& args,
+                                                  const uint32_t* counter, uint32_t done) {
   const uint32_t complete = block_scored_complete(args);
   while (done < complete) {
     __nanosleep(256);
@@ -348,14 +348,14 @@ __device__ __forceinline__ void select_grid_slot(const KapDeviceArgs& args, int 
   first_q_block = (groups - 1 - slot / args.head_count) * lists_per_cta;
 }
 
-// A dependent launch (common/dependent_launch.h) after the scoring kernel, whose bm and rm it reads;
-// the next kernel (the next chunk's scoring pass, or OSK) may launch once every CTA here has
+// A dependent launch (common/dependent_launch.h) after the scoring kernel, whose bm and rm it
+// reads; the next kernel (the next chunk's scoring pass, or OSK) may launch once every CTA here has
 // started, and waits for this grid before reading anything it writes. This grid can start only once
 // every scoring CTA has started (each triggers right past its own wait), so every kernel before
 // the scoring kernel has completed: the lists read the prefix sums and the input report at once and
-// wait on their query blocks' counters, which the scoring CTAs, all resident or done by then, complete.
-// The grid-dependency wait comes last, so that this grid still completes only after the scoring
-// grid, as the chain's completion order needs.
+// wait on their query blocks' counters, which the scoring CTAs, all resident or done by then,
+// complete. The grid-dependency wait comes last, so that this grid still completes only after the
+// scoring grid, as the chain's completion order needs.
 template <int kStride>
 __global__ void __launch_bounds__(kSelectThreads) kap_select_block_kernel(const KapDeviceArgs args) {
   cudaTriggerProgrammaticLaunchCompletion();

@@ -227,8 +227,8 @@ __device__ __forceinline__ int find_sequence(const int32_t* start, int batch, in
   return lo;
 }
 
-// The row tile of a scoring CTA and its sequence's geometry in stride rows and columns, located once
-// for the kernel body and its completion counters. blockIdx.z counts row tiles from the last (the
+// The row tile of a scoring CTA and its sequence's geometry in stride rows and columns, located
+// once for the kernel body and its completion counters. blockIdx.z counts row tiles from the last (the
 // longest rows first, so that the CTAs with the most column tiles start first), blockIdx.x is the
 // chunk's query head; `valid` is false for a grid slot past the batch's tiles.
 struct ScoreRowTile {
