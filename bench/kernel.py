@@ -745,7 +745,8 @@ class Bench:
                              note=note + ("" if checks else ", device checks off"))
                 self.guarded(f"{name} stages at {n}", record_kap_stages, self.rows[-2], lambda: run(sets.take()),
                              f"{name} at {n}:")
-                default_precision = "fp8" if n >= self.cosa.defaults.FP8_PROXY_MIN_KEYS else "native"
+                default_precision = self.cosa.reference.resolved_proxy_precision(
+                    self.cosa.defaults.PROXY_PRECISION, n)
                 if stride == self.cosa.defaults.STRIDE and precision == default_precision:
                     self.guarded(f"{name} share of fa4 at {n}", self.kap_share_of_fa4, ctx, run, self.rows[-2])
                 replay = graph_of(lambda: run(first))

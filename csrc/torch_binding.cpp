@@ -503,7 +503,7 @@ constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 
 // KAP sorts each list in shared memory (csrc/kap/kap_select_kernel.cuh): 16384 key blocks at most.
 constexpr int64_t kKapMaxSeqlenK = 16384 * kBlock;
-// KAP's scoring kernel holds row starts as 32-bit offsets in 16-byte units (kap_score_gather_kernel.cuh).
+// KAP's scoring kernel holds row starts as 32-bit offsets in 16-byte units (kap_score_kernel.cuh).
 constexpr int64_t kKapMaxSpanElements = (int64_t{1} << 32) * 8;
 
 // Elements from a tensor's first to its last element, plus one.

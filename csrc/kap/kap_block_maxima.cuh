@@ -1,5 +1,5 @@
-// The scoring kernels' reduction of a wgmma accumulator to key-block maxima, shared by the gathering
-// kernel (kap_score_gather_kernel.cuh) and the TMA kernel (kap_score_tma_kernel.cuh).
+// The scoring kernels' reduction of a wgmma accumulator to key-block maxima, shared by the row-split
+// kernel (kap_score_kernel.cuh) and the resident-query kernel (kap_score_resident_kernel.cuh).
 //
 // In a 64-row accumulator (kap_mma.cuh) a key block of kRowsPerBlock stride columns is
 // kRowsPerBlock / 8 fragments of 8 columns, and each fragment is spread over the four lanes of a

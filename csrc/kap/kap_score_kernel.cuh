@@ -451,19 +451,9 @@ __device__ __forceinline__ void score_unit(const KapDeviceArgs& args, const Scor
 template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
 __global__ void __launch_bounds__(kScoreThreads, 1)
     kap_score_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
-  // A dependent launch (common/dependent_launch.h) after the index kernel, the quantisation kernel
-  // or the previous head chunk's select kernel: the prefix sums, the zeroed rm buffer and the bm
-  // buffer that the previous chunk's selection reads are settled only past the wait. The select
-  // kernel may launch as soon as every CTA here has started; its lists wait for their query blocks'
-  // counters, which every warp here advances on its way out (the select kernels do not wait where
-  // the inputs failed the checks).
-  cudaGridDependencySynchronize();
-  cudaTriggerProgrammaticLaunchCompletion();
-  if (inputs_rejected(args.layout)) return;
-  const ScoreRowTile row_tile = locate_score_row_tile<kStride>(args);
-  if (!row_tile.valid) return;  // a grid slot past the batch's tiles: no list waits on it
-  score_unit<kElement, kHeadDim, kStride, kCols>(args, maps, row_tile);
-  publish_score_warp_done<kStride>(args, row_tile);
+  run_scoring_cta<kStride>(args, [&](const ScoreRowTile& row_tile) {
+    score_unit<kElement, kHeadDim, kStride, kCols>(args, maps, row_tile);
+  });
 }
 
 }  // namespace cosa::kap

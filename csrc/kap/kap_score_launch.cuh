@@ -31,6 +31,19 @@ inline cudaError_t encode_copy_tensor_map(CUtensorMap* map, void* base, int64_t 
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// Both e4m3 copies as TMA tensors for the scoring kernels: query boxes of a tile's 128 stride rows,
+// key boxes of `key_box_rows` stride columns.
+inline cudaError_t encode_operand_maps(const KapDeviceArgs& args, int stride, int key_box_rows,
+                                       ScoreOperandMaps* maps) {
+  const PagedLayout& L = args.layout;
+  const int groups_per_block = kBlockSize / stride;
+  const cudaError_t err = encode_copy_tensor_map(
+      &maps->q, args.q8, int64_t(L.num_q_blocks) * groups_per_block, L.num_heads_q, stride, kTileRows);
+  if (err != cudaSuccess) return err;
+  return encode_copy_tensor_map(&maps->k, args.k8, int64_t(L.batch) * L.max_k_blocks * groups_per_block,
+                                L.num_heads_kv, stride, key_box_rows);
+}
+
 // The resident-query kernel (kap_score_resident_kernel.cuh) over the launch's 256-column units.
 template <int kStride>
 cudaError_t launch_score_resident(const KapDeviceArgs& args, cudaStream_t stream) {
@@ -40,14 +53,8 @@ cudaError_t launch_score_resident(const KapDeviceArgs& args, cudaStream_t stream
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(args.head_count, args.units_per_tile, args.num_tiles);
-  const PagedLayout& L = args.layout;
-  constexpr int kGroupsPerBlock = kBlockSize / kStride;
   ScoreOperandMaps maps = {};
-  err = encode_copy_tensor_map(&maps.q, args.q8, int64_t(L.num_q_blocks) * kGroupsPerBlock,
-                               L.num_heads_q, kStride, kTileRows);
-  if (err != cudaSuccess) return err;
-  err = encode_copy_tensor_map(&maps.k, args.k8, int64_t(L.batch) * L.max_k_blocks * kGroupsPerBlock,
-                               L.num_heads_kv, kStride, Tile::kHalfCols);
+  err = encode_operand_maps(args, kStride, Tile::kHalfCols, &maps);
   if (err != cudaSuccess) return err;
   return launch_dependent(kernel, grid, dim3(kScoreThreads), Tile::kSmemBytes, stream, args, maps);
 }
@@ -62,13 +69,7 @@ cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
   const dim3 grid(args.head_count, args.units_per_tile, args.num_tiles);
   ScoreOperandMaps maps = {};
   if constexpr (kTmaOperands<kElement, kHeadDim>) {
-    const PagedLayout& L = args.layout;
-    constexpr int kGroupsPerBlock = kBlockSize / kStride;
-    err = encode_copy_tensor_map(&maps.q, args.q8, int64_t(L.num_q_blocks) * kGroupsPerBlock,
-                                 L.num_heads_q, kStride, kTileRows);
-    if (err != cudaSuccess) return err;
-    err = encode_copy_tensor_map(&maps.k, args.k8, int64_t(L.batch) * L.max_k_blocks * kGroupsPerBlock,
-                                 L.num_heads_kv, kStride, kCols);
+    err = encode_operand_maps(args, kStride, kCols, &maps);
     if (err != cudaSuccess) return err;
   }
   return launch_dependent(kernel, grid, dim3(kScoreThreads), Tile::kSmemBytes, stream, args, maps);

@@ -314,14 +314,8 @@ __device__ __forceinline__ void score_resident_unit(const KapDeviceArgs& args,
 template <int kStride>
 __global__ void __launch_bounds__(kScoreThreads, 1)
     kap_score_resident_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
-  // A dependent launch, and the query blocks' counters, as kap_score_kernel.
-  cudaGridDependencySynchronize();
-  cudaTriggerProgrammaticLaunchCompletion();
-  if (inputs_rejected(args.layout)) return;
-  const ScoreRowTile row_tile = locate_score_row_tile<kStride>(args);
-  if (!row_tile.valid) return;  // as kap_score_kernel
-  score_resident_unit<kStride>(args, maps, row_tile);
-  publish_score_warp_done<kStride>(args, row_tile);
+  run_scoring_cta<kStride>(
+      args, [&](const ScoreRowTile& row_tile) { score_resident_unit<kStride>(args, maps, row_tile); });
 }
 
 }  // namespace cosa::kap

@@ -23,6 +23,7 @@
 
 #include <cuda.h>  // CUtensorMap
 
+#include "common/input_gate.cuh"
 #include "cosa_params.h"
 
 namespace cosa::kap {
@@ -292,6 +293,24 @@ __device__ __forceinline__ void publish_score_warp_done(const KapDeviceArgs& arg
     uint32_t* counter = block_scored_counter(args, t.head, first + lane);
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
   }
+}
+
+// The frame of both scoring kernels: a dependent launch (common/dependent_launch.h) after the
+// index kernel, the quantisation kernel or the previous head chunk's select kernel, so the prefix
+// sums, the zeroed rm buffer and the bm buffer that the previous chunk's selection reads are
+// settled only past the wait. The select kernel may launch as soon as every CTA here has started;
+// its lists wait for their query blocks' counters, which every warp of a real row tile advances on
+// its way out (where the inputs failed the checks the select kernels do not wait). `score_unit`
+// runs the CTA's unit of column tiles on the located row tile.
+template <int kStride, class ScoreUnit>
+__device__ __forceinline__ void run_scoring_cta(const KapDeviceArgs& args, ScoreUnit&& score_unit) {
+  cudaGridDependencySynchronize();
+  cudaTriggerProgrammaticLaunchCompletion();
+  if (inputs_rejected(args.layout)) return;
+  const ScoreRowTile row_tile = locate_score_row_tile<kStride>(args);
+  if (!row_tile.valid) return;  // a grid slot past the batch's tiles: no list waits on it
+  score_unit(row_tile);
+  publish_score_warp_done<kStride>(args, row_tile);
 }
 
 }  // namespace cosa::kap
