@@ -72,7 +72,7 @@ __device__ __forceinline__ void score_unit(const KapDeviceArgs& args, const Scor
   constexpr int kChunkElems = 16 / Elements::kBytes;          // elements of one 16-byte copy
   static_assert((kStride * kHeadDim) % kRowElems == 0, "a group's s * d must fill whole rows");
   constexpr bool kTmaLoads = kTmaOperands<kElement, kHeadDim>;
-  using Tile = ScoreTile<kCols>;
+  using Tile = ScoreTile<kCols, kTmaLoads>;
   constexpr int kTileCols = Tile::kTileCols;
   constexpr int kStages = Tile::kStages;
   constexpr int kStageBytes = Tile::kStageBytes;
@@ -449,7 +449,8 @@ __device__ __forceinline__ void score_unit(const KapDeviceArgs& args, const Scor
 }
 
 template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
-__global__ void __launch_bounds__(kScoreThreads, 1)
+__global__ void __launch_bounds__(kScoreThreads,
+                                   (ScoreTile<kCols, kTmaOperands<kElement, kHeadDim>>::kCtasPerSm))
     kap_score_kernel(const KapDeviceArgs args, const __grid_constant__ ScoreOperandMaps maps) {
   run_scoring_cta<kStride>(args, [&](const ScoreRowTile& row_tile) {
     score_unit<kElement, kHeadDim, kStride, kCols>(args, maps, row_tile);

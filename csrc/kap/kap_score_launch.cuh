@@ -61,7 +61,7 @@ cudaError_t launch_score_resident(const KapDeviceArgs& args, cudaStream_t stream
 
 template <ProxyElement kElement, int kHeadDim, int kStride, int kCols>
 cudaError_t launch_score_tile(const KapDeviceArgs& args, cudaStream_t stream) {
-  using Tile = ScoreTile<kCols>;
+  using Tile = ScoreTile<kCols, kTmaOperands<kElement, kHeadDim>>;
   auto kernel = kap_score_kernel<kElement, kHeadDim, kStride, kCols>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
