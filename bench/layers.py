@@ -11,7 +11,7 @@ freed. Then, per layer:
   cudnn           SDPA cuDNN, dense causal (K/V with repeated heads: SDPA has no GQA path for it)
   fa4             FlashAttention-4 dense (flash_attn.cute, native GQA), when the package is installed
   cosa            cosa.prefill at its defaults: KAP, then OSK with the in-kernel skip (KAP's proxy
-                  "auto": the fp8 proxy from 16K keys)
+                  "auto": the fp8 proxy from 8K keys)
   cosa-noskip     the same with the skip off (delta 0)
   cosa-tile       the defaults, the skip voted by all 128 rows of a tile
   cosa-native     the defaults with KAP's native proxy (q and k as given)

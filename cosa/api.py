@@ -86,7 +86,7 @@ def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q=None, max_
         proxy_precision=defaults.PROXY_PRECISION):
     """KAP (spec section 2): ordered block lists ``(order, counts)``. ``proxy_precision="fp8"``
     scores e4m3 copies of q and k (one scale per 128-token block and head); ``"auto"`` (the default)
-    does so where the longest key sequence has 16384 tokens or more (``defaults.FP8_PROXY_MIN_KEYS``)."""
+    does so where the longest key sequence has 8192 tokens or more (``defaults.FP8_PROXY_MIN_KEYS``)."""
     op = "kap"
     tensors = _tensors(op, q=q, k_cache=k_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k)

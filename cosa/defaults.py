@@ -15,7 +15,7 @@ VOTE = "warpgroup"  # who decides a skip together: each 64-row half of a tile ("
 # What KAP's proxy GEMM multiplies: q and k as given ("native"), e4m3 copies ("fp8"), or "auto": the
 # fp8 proxy where the longest key sequence has at least FP8_PROXY_MIN_KEYS tokens, the native one below.
 PROXY_PRECISION = "auto"
-FP8_PROXY_MIN_KEYS = 16384
+FP8_PROXY_MIN_KEYS = 8192
 # The fp8 proxy centres each sequence's keys on the channel midpoints of every KEY_CENTRE_STRIDE-th key
 # (tokens 0, KEY_CENTRE_STRIDE, 2 * KEY_CENTRE_STRIDE, ...): spec section 2.
 KEY_CENTRE_STRIDE = 8

@@ -16,7 +16,7 @@
 #define COSA_DEFAULT_PROXY_PRECISION_ENUM kAuto
 
 // proxy_precision "auto" takes the fp8 proxy from this many keys (the longest sequence's).
-#define COSA_FP8_PROXY_MIN_KEYS 16384
+#define COSA_FP8_PROXY_MIN_KEYS 8192
 
 // The fp8 proxy centres the keys on the channel midpoints of every this-many-th key.
 #define COSA_KEY_CENTRE_STRIDE 8

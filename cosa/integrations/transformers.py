@@ -156,7 +156,7 @@ def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: floa
     ``top_p``, ``stride``: KAP's stage-1 selection; ``delta``: OSK's skip scale (``<= 0``: no
     in-kernel skip); ``vote``: who decides a skip together, each 64-row half of a tile
     (``"warpgroup"``) or the whole tile (``"tile"``); ``proxy_precision``: what KAP's proxy GEMM
-    multiplies, q and k as given (``"native"``), e4m3 copies (``"fp8"``) or the fp8 proxy from 16K keys
+    multiplies, q and k as given (``"native"``), e4m3 copies (``"fp8"``) or the fp8 proxy from 8K keys
     on (``"auto"``); ``min_prefill_tokens``: shorter prefills (and every decode step) stay dense;
     ``collect_stats``: record each call's budgets in ``handle.calls`` (reads the lists on the host:
     one synchronisation per layer); ``block_selector``: replace KAP with another selection (the

@@ -62,7 +62,7 @@ constexpr int kTileABytes = kTileRows * kTileRowBytes;
 // traffic, 48 KB per K slice served mostly by L2, keeps up with the tensor cores), 128 wide for
 // short problems, which then split into twice as many CTAs. The 128-wide tiles of the TMA kernel
 // (e4m3 copies, d = 128) run two CTAs per SM on three stages each: a short problem leaves one CTA's
-// loads and epilogues exposed (0.88x the KAP time at 8K tokens, 12 / 2 heads, on an H200), while
+// loads and epilogues exposed (0.87x the KAP time at 8K tokens, 12 / 2 heads, on an H200), while
 // the gathering kernels, whose loads run only kStages - 2 steps ahead, keep six stages and one CTA.
 template <int kCols, bool kTmaLoads>
 struct ScoreTile {
