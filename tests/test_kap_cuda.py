@@ -160,7 +160,12 @@ def test_structured_top_p_one(ops):
     assert_identical(ops, p, 8, top_p=1.0)
 
 
-@pytest.mark.parametrize("extra_key_blocks, resolved", [(125, "native"), (126, "fp8")])
+# 300 queries and the most whole key blocks after them that stay below the threshold, then one more.
+_BLOCKS_BELOW_THRESHOLD = (defaults.FP8_PROXY_MIN_KEYS - 300 - 1) // 128
+
+
+@pytest.mark.parametrize("extra_key_blocks, resolved", [(_BLOCKS_BELOW_THRESHOLD, "native"),
+                                                        (_BLOCKS_BELOW_THRESHOLD + 1, "fp8")])
 def test_auto_proxy_switches_at_the_threshold(ops, extra_key_blocks, resolved):
     """The default proxy ("auto") is resolved on the device side from max_seqlen_k: its lists are
     the named proxy's, bit for bit, just below and at defaults.FP8_PROXY_MIN_KEYS keys, and not the
