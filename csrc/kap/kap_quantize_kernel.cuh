@@ -22,7 +22,7 @@
 
 namespace cosa::kap {
 
-constexpr int kQuantizeThreads = 128;
+constexpr int kQuantizeThreads = 256;
 constexpr float kE4M3Max = 448.f;
 
 template <class Element>
