@@ -362,7 +362,7 @@ struct OskMainloop {
       warpgroup_gemm_issue</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
       // The skip kernel loads the next list entry here, after S's issue: loaded at the step's start,
       // ptxas moved it into a uniform register at once, and the step waited for the load before its
-      // K wait (with the load here, 0.974-0.986x the time side by side). The kernel without the
+      // K wait (with the load here, 0.971-0.988x the time side by side). The kernel without the
       // skip loads it at the step's start: here, its step took 1.03-1.055x the time.
       if constexpr (kSkip) {
         if (k + 1 < t.count) { next_block = load_list_entry(list + k + 1); }
