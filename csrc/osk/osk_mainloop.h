@@ -53,8 +53,9 @@ __device__ __forceinline__ void warpgroup_gemm_issue(TiledMma& tiled_mma, FragA&
   warpgroup_commit_batch();
 }
 
-// A list entry, read through the non-coherent path as an asm statement that ptxas keeps in program
-// order among the wgmma instructions around it.
+// A list entry, read through the non-coherent path as an asm statement, which the front end leaves
+// where it stands; ptxas still schedules the load (in the skip kernel it issues it among S's wgmmas)
+// and keeps the entry in ordinary registers, where __ldg's entry went into a uniform one at once.
 __device__ __forceinline__ int load_list_entry(const int32_t* entry) {
   int value;
   asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(value) : "l"(entry));
