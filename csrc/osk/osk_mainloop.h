@@ -394,12 +394,13 @@ struct OskMainloop {
 
       // The vote: skip iff every live row of the voters says m_loc - m_new < tau.
       if (skip_enabled && k > 0) {
+        // Bitwise, not short-circuit: each row's test is a few compares, cheaper than the
+        // branches that `&&` and `||` would put on the step's path.
         bool rows_skip = true;
         CUTE_UNROLL
         for (int rh = 0; rh < 2; ++rh) {
           const float p = thread_maxima[rh];
-          rows_skip = rows_skip && (!row_live[rh] || p == -INFINITY ||
-                                    p - fmaxf(softmax.max[rh], p) < tau_raw);
+          rows_skip &= !row_live[rh] | (p == -INFINITY) | (p - fmaxf(softmax.max[rh], p) < tau_raw);
         }
         if (vote.decide(rows_skip)) {
           // No exp, no row sum, no rescale, no P V; the V stage is still waited for and released

@@ -14,19 +14,21 @@ namespace cosa::osk {
 // (each half decides alone, so the halves never wait for each other).
 class SkipVote {
  public:
+  // The scope only picks the barrier and its thread count, so that both scopes run the same
+  // single barrier instruction (two predicated ones, one per scope, had each its own convergence
+  // check on the step's path).
   __device__ SkipVote(VoteScope scope, int warpgroup)
-      : tile_(scope == VoteScope::kTile), warpgroup_(warpgroup) {}
+      : barrier_(scope == VoteScope::kTile ? uint32_t(kTileVoteBarrier)
+                                           : uint32_t(kWarpgroupVoteBarrier + warpgroup)),
+        voters_(scope == VoteScope::kTile ? 256u : 128u) {}
 
   // Every voter must call this with its rows' verdict; all of them get the same answer. The
   // barrier reduces the verdicts itself (bar.red.and), so consecutive votes need no buffers.
-  __device__ bool decide(bool rows_skip) const {
-    if (tile_) { return named_barrier_all(kTileVoteBarrier, 256, rows_skip); }
-    return named_barrier_all(kWarpgroupVoteBarrier + warpgroup_, 128, rows_skip);
-  }
+  __device__ bool decide(bool rows_skip) const { return named_barrier_all(barrier_, voters_, rows_skip); }
 
  private:
-  bool tile_;
-  int warpgroup_;
+  uint32_t barrier_;
+  uint32_t voters_;
 };
 
 // Ping-pong between the consumer warpgroups (as FlashAttention-3 schedules them): a warpgroup issues
