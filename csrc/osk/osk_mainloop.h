@@ -392,11 +392,13 @@ struct OskMainloop {
       float thread_maxima[2];
       OnlineSoftmax::thread_max(tSrS, thread_maxima);
 
-      // The vote: skip iff every live row of the voters says m_loc - m_new < tau.
-      if (skip_enabled && k > 0) {
+      // The vote: skip iff every live row of the voters says m_loc - m_new < tau. The barrier runs
+      // on every step of the skip kernel, the list's first block and a sequence whose delta
+      // switches the skip off included (they vote not to skip): a branch around it cost more.
+      if constexpr (kSkip) {
         // Bitwise, not short-circuit: each row's test is a few compares, cheaper than the
         // branches that `&&` and `||` would put on the step's path.
-        bool rows_skip = true;
+        bool rows_skip = skip_enabled & (k > 0);
         CUTE_UNROLL
         for (int rh = 0; rh < 2; ++rh) {
           const float p = thread_maxima[rh];
