@@ -404,7 +404,9 @@ struct OskMainloop {
           const float p = thread_maxima[rh];
           rows_skip &= !row_live[rh] | (p == -INFINITY) | (p - fmaxf(softmax.max[rh], p) < tau_raw);
         }
-        if (vote.decide(rows_skip)) {
+        // The barrier gives every thread the same answer; said again through a warp vote, ptxas
+        // sees it uniform and drops the divergence checks after the branch.
+        if (__all_sync(0xffffffffu, vote.decide(rows_skip))) {
           // No exp, no row sum, no rescale, no P V; the V stage is still waited for and released
           // so that the pipeline's phases stay in step with the producer.
           ++skipped;
