@@ -392,17 +392,21 @@ struct OskMainloop {
       float thread_maxima[2];
       OnlineSoftmax::thread_max(tSrS, thread_maxima);
 
-      // The vote: skip iff every live row of the voters says m_loc - m_new < tau.
-      if (skip_enabled && k > 0) {
+      // The vote: skip iff every live row of the voters says m_loc - m_new < tau. The barrier runs
+      // on every step of the skip kernel, the list's first block and a sequence whose delta
+      // switches the skip off included (they vote not to skip): a branch around it cost more.
+      if constexpr (kSkip) {
         // Bitwise, not short-circuit: each row's test is a few compares, cheaper than the
         // branches that `&&` and `||` would put on the step's path.
-        bool rows_skip = true;
+        bool rows_skip = skip_enabled & (k > 0);
         CUTE_UNROLL
         for (int rh = 0; rh < 2; ++rh) {
           const float p = thread_maxima[rh];
           rows_skip &= !row_live[rh] | (p == -INFINITY) | (p - fmaxf(softmax.max[rh], p) < tau_raw);
         }
-        if (vote.decide(rows_skip)) {
+        // The barrier gives every thread the same answer; said again through a warp vote, ptxas
+        // sees it uniform and drops the divergence checks after the branch.
+        if (__all_sync(0xffffffffu, vote.decide(rows_skip))) {
           // No exp, no row sum, no rescale, no P V; the V stage is still waited for and released
           // so that the pipeline's phases stay in step with the producer.
           ++skipped;
