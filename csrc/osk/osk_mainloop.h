@@ -394,7 +394,8 @@ struct OskMainloop {
 
       // The vote: skip iff every live row of the voters says m_loc - m_new < tau. The barrier runs
       // on every step of the skip kernel, the list's first block and a sequence whose delta
-      // switches the skip off included (they vote not to skip): a branch around it cost more.
+      // switches the skip off included (they vote not to skip): behind a branch, its answer did not
+      // reach the code after it as uniform, and ptxas kept divergence checks there.
       if constexpr (kSkip) {
         // Bitwise, not short-circuit: each row's test is a few compares, cheaper than the
         // branches that `&&` and `||` would put on the step's path.
