@@ -11,7 +11,9 @@ synthetic inputs, d 128, pages shuffled:
 - ``--kernel osk`` (the default): the head-dim-128 bf16 OSK on one sequence of 32 query heads and 8
   KV heads: dense lists at 16K and 32K, random 50% and 25% lists, page 16, and the skip kernel with
   nothing skipped and with every block after the first skipped (a planted sink; the run prints the
-  share skipped). Each tree's output is compared element by element with the baseline's.
+  share skipped); and at the model's head shape (12 query / 2 KV heads) on 37% lists at 32K, with
+  the skip off and on with nothing skipped (the skip's tax at that shape). Each tree's output is
+  compared element by element with the baseline's.
 - ``--kernel kap``: the whole KAP launch chain at stride 8: the fp8 proxy at 4K to 128K tokens (32
   query / 8 KV heads), at 32K with 6 query heads per KV head (24 / 4), with 12 / 2 heads, and at
   strides 4 and 16; the native proxy at 4K, 8K and 32K. Each tree's lists (order and counts) are

@@ -1,7 +1,7 @@
 // OSK side by side: the hdim-128 bf16 OSK of several source trees (bench/kernel_ab.py builds each under
 // its own namespace, variant_entry.cu) run on the same inputs in one process. Inputs: one sequence, 32
-// query heads, 8 KV heads, random normal bf16 Q/K/V, pages shuffled; lists ascending with block 0 and
-// the diagonal block forced. Every variant's output (NaN-poisoned before the first run) is compared
+// query heads and 8 KV heads unless a case says otherwise, random normal bf16 Q/K/V, pages shuffled;
+// lists ascending with block 0 and the diagonal block forced. Every variant's output (NaN-poisoned before the first run) is compared
 // element by element with the first variant's; times are medians of CUDA-event timings, repeated in
 // interleaved rounds so that clock drift reaches every variant alike. Torch-free.
 //
@@ -47,7 +47,9 @@ struct Case {
   int page_size;
   double budget;  // share of the non-forced causal blocks listed (1: every causal block)
   float delta;    // > 0: the kernel with the skip; 1e-30 skips nothing
-  bool sink;      // plant_sink: with the skip on, every block after block 0 is skipped
+  bool sink = false;  // plant_sink: with the skip on, every block after block 0 is skipped
+  int heads_q = 32;
+  int heads_kv = 8;
 };
 
 static const Case kCases[] = {
@@ -57,18 +59,23 @@ static const Case kCases[] = {
     {"skip-none-16K", 16384, 128, 1.0, 1e-30f}, {"skip-all-16K", 16384, 128, 1.0, 2000.f, true},
     // Block 0 and the diagonal alone: what a tile costs beyond its blocks.
     {"sink-diagonal-16K", 16384, 128, 0.0, 0.f},
+    // The head shape of Qwen2.5-Coder-1.5B (12 query heads, 2 KV heads) on lists of the size KAP
+    // gives its layers at 32K, with the skip off and with it on but skipping nothing: the skip's tax
+    // at that shape is the second case's time over the first's.
+    {"model-heads-37%-32K", 32768, 128, 0.37, 0.f, false, 12, 2},
+    {"model-heads-37%-skip-none-32K", 32768, 128, 0.37, 1e-30f, false, 12, 2},
 };
 
 int main(int argc, char** argv) {
-  constexpr int kHeadsQ = 32, kHeadsKV = 8, kHeadDim = 128;
+  constexpr int kHeadDim = 128;
   Harness harness(argc, argv, kVariants);
   const std::vector<const char*>& labels = harness.labels;
   const cudaStream_t stream = harness.stream;
   std::mt19937& rng = harness.rng;
   for (const Case& c : kCases) {
     if (!harness.selects(c.name)) continue;
-    const int n = c.tokens, blocks = n / cosa::kBlockSize;
-    const size_t q_elems = size_t(n) * kHeadsQ * kHeadDim, kv_elems = size_t(n) * kHeadsKV * kHeadDim;
+    const int n = c.tokens, blocks = n / cosa::kBlockSize, heads_q = c.heads_q, heads_kv = c.heads_kv;
+    const size_t q_elems = size_t(n) * heads_q * kHeadDim, kv_elems = size_t(n) * heads_kv * kHeadDim;
     __nv_bfloat16 *q, *k_cache, *v_cache, *out;
     CUDA_CHECK(cudaMalloc(&q, q_elems * 2));
     CUDA_CHECK(cudaMalloc(&k_cache, kv_elems * 2));
@@ -78,16 +85,16 @@ int main(int argc, char** argv) {
     fill_normal<<<1024, 256, 0, stream>>>(k_cache, kv_elems, 2);
     fill_normal<<<1024, 256, 0, stream>>>(v_cache, kv_elems, 3);
     CUDA_CHECK(cudaGetLastError());
-    const OneSequence sequence(n, kHeadsQ, kHeadsKV, kHeadDim, c.page_size, q, k_cache, v_cache, rng);
+    const OneSequence sequence(n, heads_q, heads_kv, kHeadDim, c.page_size, q, k_cache, v_cache, rng);
     if (c.sink) {  // key 0 sits in row 0 of the first page of the sequence
       plant_sink<<<1024, 256, 0, stream>>>(q, q_elems,
-                                           k_cache + size_t(sequence.page_ids[0]) * c.page_size * kHeadsKV * kHeadDim,
-                                           kHeadsKV * kHeadDim);
+                                           k_cache + size_t(sequence.page_ids[0]) * c.page_size * heads_kv * kHeadDim,
+                                           heads_kv * kHeadDim);
       CUDA_CHECK(cudaGetLastError());
     }
-    std::vector<int> order(size_t(kHeadsQ) * blocks * blocks, -1), counts(size_t(kHeadsQ) * blocks);
+    std::vector<int> order(size_t(heads_q) * blocks * blocks, -1), counts(size_t(heads_q) * blocks);
     std::uniform_real_distribution<double> uniform(0.0, 1.0);
-    for (int h = 0; h < kHeadsQ; ++h) {
+    for (int h = 0; h < heads_q; ++h) {
       for (int i = 0; i < blocks; ++i) {
         int* row = &order[(size_t(h) * blocks + i) * blocks];
         int count = 0;
@@ -102,7 +109,7 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaMalloc(&d_order, order.size() * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&d_counts, counts.size() * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&skipped, counts.size() * sizeof(int)));
-    CUDA_CHECK(cudaMalloc(&lse, size_t(kHeadsQ) * n * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&lse, size_t(heads_q) * n * sizeof(float)));
     CUDA_CHECK(cudaMemcpy(d_order, order.data(), order.size() * sizeof(int), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(d_counts, counts.data(), counts.size() * sizeof(int), cudaMemcpyHostToDevice));
 
@@ -113,7 +120,7 @@ int main(int argc, char** argv) {
     params.delta = c.delta;
     params.vote = cosa::VoteScope::kWarpgroup;
     params.out = out;
-    params.out_row_stride = kHeadsQ * kHeadDim;
+    params.out_row_stride = heads_q * kHeadDim;
     params.out_head_stride = kHeadDim;
     params.lse = lse;
     params.skipped = skipped;
