@@ -391,6 +391,10 @@ struct OskMainloop {
       // block is known to be computed.
       float thread_maxima[2];
       OnlineSoftmax::thread_max(tSrS, thread_maxima);
+      // The quad's shuffles are issued before the vote, so that their latency runs under the
+      // barrier's wait; a skipped block only pays their issue.
+      float block_max[2];
+      OnlineSoftmax::quad_max(thread_maxima, block_max);
 
       // The vote: skip iff every live row of the voters says m_loc - m_new < tau. The barrier runs
       // on every step of the skip kernel, the list's first block and a sequence whose delta
@@ -419,9 +423,7 @@ struct OskMainloop {
         }
       }
 
-      float block_max[2];
       float new_max[2];
-      OnlineSoftmax::quad_max(thread_maxima, block_max);
       CUTE_UNROLL
       for (int rh = 0; rh < 2; ++rh) { new_max[rh] = fmaxf(softmax.max[rh], block_max[rh]); }
 
