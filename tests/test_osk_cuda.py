@@ -182,6 +182,27 @@ def test_skip_off_when_delta_reaches_the_length(ops):
             assert_matches_reference(p, got, order, counts, delta, vote=vote)
 
 
+@pytest.mark.parametrize("d,dt", [(128, torch.bfloat16), (64, torch.float16)])
+def test_rows_whose_maximum_jumps_in_a_later_block(ops, d, dt):
+    # Without the skip, the kernel takes a later block's exponentials against the running max before
+    # the block's maximum is known, rebases the rows whose maximum rose past its headroom (P up to
+    # 2^8), and computes S again where the exponentials may have overflowed (a rise of about 88
+    # nats or more). Keys planted along the queries' common direction in blocks 2, 4 and 6 raise
+    # every later row's maximum to about 20, 140 and 150 nats: a rebase, a recomputation, a rebase.
+    p = problem([1000], [1000], 4, 2, d, 64, dt, seed=9)
+    gen = torch.Generator().manual_seed(9)
+    direction = torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1  # entries +-1: |u|^2 = d
+    p["q"] = (direction + 0.3 * torch.randn(p["q"].shape, generator=gen)).to(dt).cuda()
+    for token, logit in ((300, 20.0), (520, 140.0), (800, 150.0)):
+        page = int(p["page_table"][0, token // 64])
+        # A planted key's logit is about (logit / sqrt(d)) * |u|^2 / sqrt(d) = logit.
+        p["k_cache"][page, token % 64] = (logit / math.sqrt(d) * direction).to(dt).cuda()
+    order, counts = dense_order(p)
+    for delta in (0.0, 100.0):
+        got = osk(ops, p, order, counts, delta)
+        assert_matches_reference(p, got, order, counts, delta, check_skips=False)
+
+
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[6]], ids=shape_id)
 def test_order_invariance_without_skip(ops, shape):
     lq, lk, hq, hkv, d, ps, dt = shape

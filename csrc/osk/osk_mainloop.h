@@ -261,6 +261,35 @@ struct OskMainloop {
 
   // ---------------------------------------------------------------- consumers (warpgroups 1, 2)
 
+  // This thread's entries of S = Q K^T computed again, one fp32 dot product each, from the Q tile
+  // and the K stage in shared memory (`k_tile`), for a row whose exponentials, taken before its
+  // maximum was known, may have overflowed: a scaled logit about 87 or more above every earlier
+  // block's (kOverflowLog2 powers of two). `warp` is 0..7 over both consumer warpgroups.
+  template <class FragS>
+  __device__ static void recompute_scores(FragS& tSrS, const Element* q_tile, const Element* k_tile,
+                                          int warp, int lane) {
+    using Chunk = cutlass::Array<Element, 8>;  // one 16-byte chunk of a row
+    // A rolled loop over the entries, each result shifted in at the top of tSrS: registers indexed
+    // at compile time (no local memory), and few values live beside O (unrolled, the entries'
+    // addresses stayed live and made ptxas spill on the common path).
+#pragma unroll 1
+    for (int v = 0; v < kScoresPerThread; ++v) {
+      const int row = AccumulatorLayout::tile_row(warp, lane, AccumulatorLayout::row_half(v));
+      const int key = AccumulatorLayout::column(v, lane);
+      float dot = 0.f;
+#pragma unroll 1
+      for (int chunk = 0; chunk < kChunksPerRow; ++chunk) {
+        const Chunk q = *reinterpret_cast<const Chunk*>(q_tile + Traits::swizzled_offset(row, chunk));
+        const Chunk k = *reinterpret_cast<const Chunk*>(k_tile + Traits::swizzled_offset(key, chunk));
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) { dot = fmaf(float(q[e]), float(k[e]), dot); }
+      }
+      CUTE_UNROLL
+      for (int u = 0; u + 1 < kScoresPerThread; ++u) { tSrS(u) = tSrS(u + 1); }
+      tSrS(kScoresPerThread - 1) = dot;
+    }
+  }
+
   // The tile's list in order: S = Q K^T, mask, row max, vote, online softmax, O += P V. Leaves O
   // unnormalised in tOrO, the row state in `softmax` and this warpgroup's count of skipped blocks
   // in `skipped`.
@@ -318,6 +347,8 @@ struct OskMainloop {
     const bool skip_enabled = kSkip && args.delta > 0.f && args.delta < float(t.seqlen_k);
     const float tau_raw =
         skip_enabled ? logf(args.delta / float(t.seqlen_k)) / layout.softmax_scale : 0.f;
+    // exp_against_max's headroom in raw-logit units.
+    const float headroom_raw = OnlineSoftmax::kHeadroomLog2 / kp.scale_log2;
     const SkipVote vote(args.vote, warpgroup);
     const GemmTurns turns(warpgroup);
 
@@ -379,8 +410,15 @@ struct OskMainloop {
         warpgroup_wait<0>();
       }
       warpgroup_fence_operand(tSrS);
-      __syncwarp();
-      if (lane == 0) { MBarrier::arrive(&storage.k_empty[stage]); }
+      // A later block of the kernel without the skip takes its exponentials before its row maxima
+      // are known (OnlineSoftmax::exp_against_max): they run at once, and the maxima's tree fills
+      // the issue slots between them. It releases the K stage after its overflow test, since a
+      // row that far above its running max needs S again.
+      constexpr bool kSpeculative = !kSkip && kPvPending;
+      if constexpr (!kSpeculative) {
+        __syncwarp();
+        if (lane == 0) { MBarrier::arrive(&storage.k_empty[stage]); }
+      }
 
       // Rows past Lq are not masked: they never vote and are never stored.
       if constexpr (kMasked) { mask.apply(tSrS, block, kBlockN, lane); }
@@ -394,7 +432,7 @@ struct OskMainloop {
       // then finds them done when the barrier releases it (nothing skipped 0.987x the time with them
       // after the vote), and a skipped block pays them (every later block skipped 1.030x).
       float block_max[2];
-      OnlineSoftmax::quad_max(thread_maxima, block_max);
+      if constexpr (!kSpeculative) { OnlineSoftmax::quad_max(thread_maxima, block_max); }
 
       // The vote: skip iff every live row of the voters says m_loc - m_new < tau. The barrier runs
       // on every step of the skip kernel, the list's first block and a sequence whose delta
@@ -423,15 +461,54 @@ struct OskMainloop {
         }
       }
 
-      float new_max[2];
-      CUTE_UNROLL
-      for (int rh = 0; rh < 2; ++rh) { new_max[rh] = fmaxf(softmax.max[rh], block_max[rh]); }
-
       float rescale[2];
-      softmax.update(tSrS, new_max, kp.scale_log2, rescale);
-      // O and P are free once the previous P V product is done.
-      if constexpr (kPvPending) { finish_pv(); }
-      OnlineSoftmax::rescale_o(tOrO, rescale);
+      // The exact step: the row maxima, then the exponentials against the new running max.
+      auto update_exactly = [&]() {
+        float new_max[2];
+        CUTE_UNROLL
+        for (int rh = 0; rh < 2; ++rh) { new_max[rh] = fmaxf(softmax.max[rh], block_max[rh]); }
+        softmax.update(tSrS, new_max, kp.scale_log2, rescale);
+      };
+      if constexpr (kSpeculative) {
+        float block_sums[2];
+        softmax.exp_against_max(tSrS, kp.scale_log2, block_sums);
+        bool beyond_headroom = false;
+        bool may_overflow = false;
+        CUTE_UNROLL
+        for (int rh = 0; rh < 2; ++rh) {
+          const float above = softmax.exponent_above_max(thread_maxima[rh], rh, kp.scale_log2);
+          // Also true for a row's first live key (its running max is -inf).
+          beyond_headroom |= thread_maxima[rh] > softmax.max[rh] + headroom_raw;
+          may_overflow |= above > OnlineSoftmax::kOverflowLog2;
+        }
+        // Warp-wide, so that the branches below are uniform.
+        const bool recompute = __any_sync(0xffffffffu, may_overflow);
+        if (lane == 0 && !recompute) { MBarrier::arrive(&storage.k_empty[stage]); }
+        finish_pv();
+        if (__any_sync(0xffffffffu, beyond_headroom)) {
+          if (recompute) {
+            recompute_scores(tSrS, storage.q, storage.k + stage * Traits::kTileElems, warp, lane);
+            __syncwarp();
+            if (lane == 0) { MBarrier::arrive(&storage.k_empty[stage]); }
+            if constexpr (kMasked) { mask.apply(tSrS, block, kBlockN, lane); }
+            OnlineSoftmax::thread_max(tSrS, thread_maxima);
+            OnlineSoftmax::quad_max(thread_maxima, block_max);
+            update_exactly();
+          } else {
+            OnlineSoftmax::quad_max(thread_maxima, block_max);
+            softmax.rebase(tSrS, block_max, block_sums, kp.scale_log2, rescale);
+          }
+          OnlineSoftmax::rescale_o(tOrO, rescale);
+        } else {
+          CUTE_UNROLL
+          for (int rh = 0; rh < 2; ++rh) { softmax.sum[rh] += block_sums[rh]; }
+        }
+      } else {
+        update_exactly();
+        // O and P are free once the previous P V product is done.
+        if constexpr (kPvPending) { finish_pv(); }
+        OnlineSoftmax::rescale_o(tOrO, rescale);
+      }
       {
         using Converter = cutlass::NumericArrayConverter<Element, float, kScoresPerThread>;
         auto const& src =

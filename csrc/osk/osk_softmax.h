@@ -50,8 +50,25 @@ struct OnlineSoftmax {
   static constexpr int kChains = 4;
   static_assert(kChains == 4, "update() combines exactly four partials per row");
 
+  // Headroom of the exponentials taken before a block's maximum is known (exp_against_max): a row
+  // keeps its running max while the block's maximum exceeds it by at most this many powers of two,
+  // so that P <= 2^8 (the same relative precision in bf16 and fp16, and no overflow of the sums).
+  static constexpr float kHeadroomLog2 = 8.f;
+  // Past this exponent above the running max the exponentials taken before the block's maximum
+  // was known may have overflowed (exp2(128) is inf in fp32): such a row needs S again.
+  static constexpr float kOverflowLog2 = 126.f;
+
+  // The max each row's exponentials and sums are taken against: the running max, or, after
+  // exp_against_max(), up to kHeadroomLog2 powers of two below it. The epilogue's LSE is
+  // max * softmax_scale + ln(sum) either way.
   float max[2] = {-INFINITY, -INFINITY};
   float sum[2] = {0.f, 0.f};
+
+  // The exponent's offset for a row with running max m: sigma' m, or 0 for a row with no live key
+  // yet (max -inf), whose exponentials are then taken against 0.
+  __device__ static float reference_exponent(float m, float scale_log2) {
+    return m == -INFINITY ? 0.f : m * scale_log2;
+  }
 
   // Each row's maximum over this thread's columns of the block (-inf where all of them are masked),
   // as a pairwise tree (depth 5 per row instead of chains of 8): on a skipped block the maxima
@@ -101,8 +118,7 @@ struct OnlineSoftmax {
     float max_scaled[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      // A row with no live key so far keeps max -inf: exponentiate against 0 instead.
-      max_scaled[rh] = new_max[rh] == -INFINITY ? 0.f : new_max[rh] * scale_log2;
+      max_scaled[rh] = reference_exponent(new_max[rh], scale_log2);
       // Exactly 1 when the max stands (rescale_o then leaves O alone).
       rescale[rh] = new_max[rh] == max[rh] ? 1.f : exp2f(max[rh] * scale_log2 - max_scaled[rh]);
       max[rh] = new_max[rh];
@@ -120,6 +136,56 @@ struct OnlineSoftmax {
       sum[rh] = sum[rh] * rescale[rh] + ((partial[rh][0] + partial[rh][1]) +
                                          (partial[rh][2] + partial[rh][3]));
     }
+  }
+
+  // The exponentials of a block taken before its row maxima are known, against the running max:
+  // S becomes P = exp2(sigma' S - sigma' m) in place and `block_sums` receives each row's sum over
+  // this thread's columns (the running sums are left alone). Where the block's maximum does not
+  // exceed m this is update()'s P exactly; where it does by more than kHeadroomLog2 powers of two,
+  // the row must be rebased (rebase(), or update() on S computed again past kOverflowLog2).
+  template <class FragS>
+  __device__ void exp_against_max(FragS& tSrS, float scale_log2, float (&block_sums)[2]) const {
+    float max_scaled[2];
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) { max_scaled[rh] = reference_exponent(max[rh], scale_log2); }
+    float partial[2][kChains] = {};
+    CUTE_UNROLL
+    for (int v = 0; v < cute::size(tSrS); ++v) {
+      const int rh = AccumulatorLayout::row_half(v);
+      const float p = exp2f(tSrS(v) * scale_log2 - max_scaled[rh]);
+      tSrS(v) = p;
+      partial[rh][(v >> 2) % kChains] += p;
+    }
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      block_sums[rh] = (partial[rh][0] + partial[rh][1]) + (partial[rh][2] + partial[rh][3]);
+    }
+  }
+
+  // After exp_against_max(): each row's exponent above its running max at this thread's largest
+  // column (-inf where the thread's columns are all masked).
+  __device__ float exponent_above_max(float thread_max, int rh, float scale_log2) const {
+    return thread_max * scale_log2 - reference_exponent(max[rh], scale_log2);
+  }
+
+  // After exp_against_max(), for rows whose block maximum may exceed the running max: moves each
+  // row onto max(m, block max), the P of exp_against_max() and the sums with it, and gives the
+  // factor O's row must be multiplied by (1 where the max stands). Needs every exponent of the
+  // block below kOverflowLog2.
+  template <class FragS>
+  __device__ void rebase(FragS& tSrS, const float (&block_max)[2], const float (&block_sums)[2],
+                         float scale_log2, float (&rescale)[2]) {
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const float new_max = fmaxf(max[rh], block_max[rh]);
+      rescale[rh] = new_max == max[rh] ? 1.f
+                                       : exp2f(reference_exponent(max[rh], scale_log2) -
+                                               reference_exponent(new_max, scale_log2));
+      max[rh] = new_max;
+      sum[rh] = (sum[rh] + block_sums[rh]) * rescale[rh];
+    }
+    CUTE_UNROLL
+    for (int v = 0; v < cute::size(tSrS); ++v) { tSrS(v) *= rescale[AccumulatorLayout::row_half(v)]; }
   }
 
   // O *= rescale per row, unless no row of the warp has a new max. Past the first blocks of a
