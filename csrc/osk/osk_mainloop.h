@@ -3,6 +3,8 @@
 // row max, the tile-wide skip vote, online softmax and O += P V.
 #pragma once
 
+#include <cfloat>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/mma_sm90.h>
 #include <cutlass/numeric_conversion.h>
@@ -347,8 +349,9 @@ struct OskMainloop {
     const bool skip_enabled = kSkip && args.delta > 0.f && args.delta < float(t.seqlen_k);
     const float tau_raw =
         skip_enabled ? logf(args.delta / float(t.seqlen_k)) / layout.softmax_scale : 0.f;
-    // exp_against_max's headroom in raw-logit units.
-    const float headroom_raw = OnlineSoftmax::kHeadroomLog2 / kp.scale_log2;
+    // exp_against_max's headroom in raw-logit units; finite, so that a row whose running max is
+    // still -inf compares against -inf (not NaN) even where a tiny softmax scale makes it overflow.
+    const float headroom_raw = fminf(OnlineSoftmax::kHeadroomLog2 / kp.scale_log2, FLT_MAX);
     const SkipVote vote(args.vote, warpgroup);
     const GemmTurns turns(warpgroup);
 
