@@ -110,6 +110,25 @@ struct OnlineSoftmax {
     }
   }
 
+  // S becomes P = exp2(sigma' S - max_scaled) in place, each row's P summed into kChains
+  // partials per row (the one exponential loop of update() and exp_against_max()).
+  template <class FragS>
+  __device__ static void exponentiate(FragS& tSrS, float scale_log2, const float (&max_scaled)[2],
+                                      float (&partial)[2][kChains]) {
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      CUTE_UNROLL
+      for (int c = 0; c < kChains; ++c) { partial[rh][c] = 0.f; }
+    }
+    CUTE_UNROLL
+    for (int v = 0; v < cute::size(tSrS); ++v) {
+      const int rh = AccumulatorLayout::row_half(v);
+      const float p = exp2f(tSrS(v) * scale_log2 - max_scaled[rh]);
+      tSrS(v) = p;
+      partial[rh][(v >> 2) % kChains] += p;
+    }
+  }
+
   // Takes the block in: S becomes P = exp(sigma (S - m_new)) in place, the running max and sums
   // advance, and `rescale` receives exp(sigma (m_old - m_new)), the factor O must be multiplied by.
   template <class FragS>
@@ -123,14 +142,8 @@ struct OnlineSoftmax {
       rescale[rh] = new_max[rh] == max[rh] ? 1.f : exp2f(max[rh] * scale_log2 - max_scaled[rh]);
       max[rh] = new_max[rh];
     }
-    float partial[2][kChains] = {};
-    CUTE_UNROLL
-    for (int v = 0; v < cute::size(tSrS); ++v) {
-      const int rh = AccumulatorLayout::row_half(v);
-      const float p = exp2f(tSrS(v) * scale_log2 - max_scaled[rh]);
-      tSrS(v) = p;
-      partial[rh][(v >> 2) % kChains] += p;
-    }
+    float partial[2][kChains];
+    exponentiate(tSrS, scale_log2, max_scaled, partial);
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       sum[rh] = sum[rh] * rescale[rh] + ((partial[rh][0] + partial[rh][1]) +
@@ -148,14 +161,8 @@ struct OnlineSoftmax {
     float max_scaled[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) { max_scaled[rh] = reference_exponent(max[rh], scale_log2); }
-    float partial[2][kChains] = {};
-    CUTE_UNROLL
-    for (int v = 0; v < cute::size(tSrS); ++v) {
-      const int rh = AccumulatorLayout::row_half(v);
-      const float p = exp2f(tSrS(v) * scale_log2 - max_scaled[rh]);
-      tSrS(v) = p;
-      partial[rh][(v >> 2) % kChains] += p;
-    }
+    float partial[2][kChains];
+    exponentiate(tSrS, scale_log2, max_scaled, partial);
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       block_sums[rh] = (partial[rh][0] + partial[rh][1]) + (partial[rh][2] + partial[rh][3]);
