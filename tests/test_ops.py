@@ -2,6 +2,7 @@
 
 The bad-input cases run on the CPU here and on the GPU (CUDA binding) with the `gpu` marker."""
 
+import json
 import math
 import re
 from pathlib import Path
@@ -439,6 +440,13 @@ def test_the_c_header_of_the_defaults_is_current():
     csrc/cosa_defaults.h` after a change of a default)."""
     header = Path(__file__).resolve().parent.parent / "csrc" / "cosa_defaults.h"
     assert header.read_text() == defaults.c_header(), "csrc/cosa_defaults.h is stale: regenerate it"
+
+
+def test_the_version_is_the_manifests():
+    """cosa.__version__ (what Python reports) is the version that setup.py and CMakeLists.txt read from
+    csrc/build_manifest.json (what pip and the C library report)."""
+    manifest = Path(__file__).resolve().parent.parent / "csrc" / "build_manifest.json"
+    assert cosa.__version__ == json.loads(manifest.read_text())["version"]
 
 
 def test_the_defaults_have_one_source(ops):
