@@ -291,8 +291,11 @@ void check_scalars(const OpArgs& a) {
                      "softmax_scale must be a finite positive number, got ", *a.softmax_scale);
   }
   if (a.delta) {
-    COSA_CHECK_VALUE(std::isfinite(*a.delta), op,
-                     "delta must be a finite number (<= 0 disables the in-kernel skip), got ", *a.delta);
+    // The kernels hold delta in float32 and flush subnormals to zero, where the skip would be off; the
+    // reference would keep it on.
+    COSA_CHECK_VALUE(std::isfinite(*a.delta) && (*a.delta <= 0.0 || *a.delta >= std::numeric_limits<float>::min()),
+                     op, "delta must be a finite number, <= 0 (which disables the in-kernel skip) or at least ",
+                     std::numeric_limits<float>::min(), " (float32's smallest normal number), got ", *a.delta);
   }
   if (a.vote) {
     COSA_CHECK_VALUE(*a.vote == "tile" || *a.vote == "warpgroup", op, "vote must be 'tile' or 'warpgroup', got '",

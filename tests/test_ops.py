@@ -143,6 +143,7 @@ BAD_TUNING = [
     ("top_p_zero", dict(top_p=0.0), ValueError, "top_p"),
     ("top_p_big", dict(top_p=1.5), ValueError, "top_p"),
     ("delta_nan", dict(delta=math.nan), ValueError, "delta"),
+    ("delta_subnormal", dict(delta=1e-40), ValueError, "delta must be .* at least"),
     ("scale_negative", dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
     ("vote_word", dict(vote="both"), ValueError, "vote must be 'tile' or 'warpgroup', got 'both'"),
     ("proxy_precision_word", dict(proxy_precision="int8"), ValueError,
