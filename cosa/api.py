@@ -65,6 +65,22 @@ def set_device_checks(enabled: bool):
     return _restore_device_checks(_ops().set_device_checks(enabled))
 
 
+def check_tuning(op, *, stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
+                 delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION) -> None:
+    """Refuse tuning arguments that the ops would refuse, before any call: their Python types and the
+    ops' own contract (``check_args`` on a one-block problem on the CPU, which reads no data), with
+    errors that name ``cosa.<op>``. For settings held until a later call (the integrations)."""
+    tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
+                  softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
+                  delta=validation.real(op, "delta", delta), vote=validation.string(op, "vote", vote),
+                  proxy_precision=validation.string(op, "proxy_precision", proxy_precision))
+    q = torch.zeros((BLOCK, 1, 64), dtype=torch.bfloat16)
+    cache = torch.zeros((1, BLOCK, 1, 64), dtype=torch.bfloat16)
+    lengths = torch.tensor([0, BLOCK], dtype=torch.int32)
+    _ops().check_args(op, q, cache, torch.zeros((1, 1), dtype=torch.int32), lengths, lengths[1:], v_cache=cache,
+                      max_seqlen_q=BLOCK, max_seqlen_k=BLOCK, **tuning)
+
+
 def _tensors(op, **named):
     return {name: validation.tensor(op, name, value) for name, value in named.items()}
 

@@ -187,9 +187,14 @@ def test_sparse_conditions():
     k = torch.zeros((1, 2, 384, 64), dtype=torch.bfloat16)
 
     def reason(query=q, key=k, mask=None, **kwargs):
-        return cosa_hf._sparse_prefix(module, query, key, mask, 0.0, settings, kwargs)[1]
+        return cosa_hf._sparse_prefix(module, query, key, key, mask, 0.0, settings, kwargs)[1]
 
     assert reason() is None
+    assert reason(query=q[:, :, :1]) == "decode"
+    assert reason(query=q[:, :, :255]) == "short_prompt"
+    assert reason(query=q.clone().requires_grad_(True)) == "grad"
+    with torch.no_grad():
+        assert reason(query=q.clone().requires_grad_(True)) is None
     assert reason(sliding_window=128) == "sliding_window"
     assert reason(output_attentions=True) == "output_attentions"
     assert reason(query=q.float(), key=k.float()) == "dtype"
@@ -215,10 +220,83 @@ def test_bottom_right_causal_check():
 
 
 def test_enable_validates_arguments():
+    """In the ops' own words, naming the argument, at enable() rather than at the first long prefill."""
     model = tiny_model()
-    for kwargs in (dict(top_p=0.0), dict(top_p=1.5), dict(stride=3), dict(min_prefill_tokens=0)):
-        with pytest.raises(ValueError):
+    for kwargs, error, name in ((dict(top_p=0.0), ValueError, "top_p"), (dict(top_p=1.5), ValueError, "top_p"),
+                                (dict(stride=3), ValueError, "stride"), (dict(stride=8.0), TypeError, "stride"),
+                                (dict(stride=True), TypeError, "stride"), (dict(delta=float("nan")), ValueError, "delta"),
+                                (dict(delta=1e-40), ValueError, "delta"), (dict(delta="2000"), TypeError, "delta"),
+                                (dict(vote="row"), ValueError, "vote"), (dict(min_prefill_tokens=0), ValueError,
+                                                                         "min_prefill_tokens"),
+                                (dict(min_prefill_tokens=256.0), TypeError, "min_prefill_tokens")):
+        with pytest.raises(error, match=name):
             cosa_hf.enable(model, **kwargs)
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(TypeError):
         cosa_hf.enable(torch.nn.Linear(2, 2))
+
+
+def test_decode_stays_dense_whatever_min_prefill_tokens():
+    """A decode step's mask is dropped (every cached key attends): with min_prefill_tokens=1 it must
+    still run dense over all the keys, not CoSA over the first one."""
+    model = tiny_model()
+    prompt = ids(300)
+    generate = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                    output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        dense = model.generate(prompt, **generate)
+        with cosa_hf.enable(model, top_p=1.0, delta=0.0, min_prefill_tokens=1) as handle:
+            sparse = model.generate(prompt, **generate)
+    assert handle.sparse_calls == 2 and handle.dense_reasons == {"decode": 6}
+    assert torch.equal(sparse.sequences, dense.sequences)
+    # The decode steps' logits as dense's (up to the prefill's rounding, which the cache carries into
+    # layer 1); attention over the first key alone was off by more than their norm.
+    for got, want in zip(sparse.scores, dense.scores):
+        assert rel(got, want) < 2e-2
+
+
+def test_inference_mode():
+    """Tensors made under torch.inference_mode() have no version counter; the mask check must not
+    need one."""
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    x = ids(600, batch=2)
+    mask = torch.ones_like(x)
+    mask[1, :40] = 0
+    with torch.inference_mode(), cosa_hf.enable(model, top_p=1.0, delta=0.0, min_prefill_tokens=256,
+                                                 collect_stats=True) as handle:
+        model(x, attention_mask=mask)
+        assert [c["reason"] for c in handle.calls] == ["unsupported_mask"] * 2
+        handle.reset_stats()
+        cache = DynamicCache()
+        model(x[:1, :256], past_key_values=cache, use_cache=True)
+        model(x[:1, 256:], past_key_values=cache, use_cache=True)  # prefix 256 over a 4-D causal mask
+        assert [c["path"] for c in handle.calls] == ["cosa"] * 4
+
+
+def test_calls_that_need_gradients_stay_dense():
+    """The ops have no backward: training through an enabled model gets SDPA's gradients."""
+    model = tiny_model().float()
+    model.to(torch.bfloat16).train()
+    x = ids(300)
+    with cosa_hf.enable(model, min_prefill_tokens=256) as handle:
+        loss = model(x, labels=x).loss
+    loss.backward()
+    assert handle.sparse_calls == 0 and handle.dense_reasons == {"grad": 2}
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_handles_restored_in_any_order():
+    model = tiny_model()
+    first = cosa_hf.enable(model, min_prefill_tokens=256)
+    second = cosa_hf.enable(model, min_prefill_tokens=256)
+    first.restore()  # under `second`, which stays in charge
+    assert model.config._attn_implementation == second.name
+    assert first.name not in cosa_hf._attention_registry() and second.name in cosa_hf._attention_registry()
+    with torch.no_grad():
+        model(ids(300))
+    assert second.sparse_calls == 2 and first.sparse_calls == 0
+    second.restore()
+    assert model.config._attn_implementation == "sdpa"
+    assert second.name not in cosa_hf._attention_registry()

@@ -91,6 +91,15 @@ def test_settings_from_additional_config():
         Settings.from_additional_config({"cosa": {"min_prefill_tokens": 0}})
     with pytest.raises(ValueError, match="must be a dict"):
         Settings.from_additional_config({"cosa": [1]})
+    with pytest.raises(ValueError, match="unknown setting\(s\) 'topp', 1;"):  # keys of mixed types
+        Settings.from_additional_config({"cosa": {1: 2, "topp": 0.9}})
+    # Any mapping holds settings; vLLM's additional_config may also be a platform's object of its own.
+    assert Settings.from_additional_config(types.MappingProxyType({"cosa": {"vote": "tile"}})).vote == "tile"
+    with pytest.raises(ValueError, match="top_p"):
+        Settings.from_additional_config(types.MappingProxyType({"cosa": {"top_p": 2.0}}))
+    assert Settings.from_additional_config(object()) == Settings()
+    with pytest.raises(ValueError, match="delta"):  # refused by the ops: float32's subnormals
+        Settings.from_additional_config({"cosa": {"delta": 1e-40}})
     # Values the ops refuse are refused at engine start, in the ops' own words.
     for bad, name in (({"top_p": 1.5}, "top_p"), ({"stride": 5}, "stride"), ({"vote": "row"}, "vote"),
                       ({"proxy_precision": "int4"}, "proxy_precision")):

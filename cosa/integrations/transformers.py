@@ -14,7 +14,8 @@ function runs CoSA (``cosa.sparse_attention``: KAP then OSK) when all of these h
 - the attention is plain causal: no mask (the model's own causal mask skipped, as for SDPA), or a
   4-D mask that is exactly bottom-right causal (chunked prefill over a cached prefix), with the
   prefix a multiple of 128 tokens (docs/spec.md section 1);
-- no sliding window, no dropout, no attention weights requested, bf16/fp16, head dim 64 or 128.
+- no sliding window, no dropout, no attention weights requested, bf16/fp16, head dim 64 or 128;
+- no gradient is needed (the ops have no backward: training and fine-tuning stay dense).
 
 Every other call (decode steps, short prompts, padded batches, sliding-window layers) goes to
 transformers' own SDPA function, exactly as ``attn_implementation="sdpa"`` would run it. Exiting the
@@ -39,7 +40,8 @@ from typing import Callable
 import torch
 
 import cosa
-from cosa import defaults, reference
+from cosa import defaults, reference, validation
+from cosa.api import check_tuning
 from cosa.layout import paged_from_contiguous
 from cosa.reference import BLOCK
 
@@ -48,6 +50,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _MASK_CHECK_ELEMENTS = 1 << 26
 
 _names = itertools.count()
+# Handles restored while a later handle of the same model was on top: name -> the implementation it
+# had replaced, where that later handle's restore() goes instead.
+_restored_under: dict[str, str] = {}
+
+
+def _restored_target(name: str) -> str:
+    while name in _restored_under:
+        name = _restored_under.pop(name)
+    return name
 
 # A block selector replaces KAP: (module, q [Sq, Hq, d], k [Sk, Hkv, d]) -> (order, counts) for OSK,
 # one sequence (``counts`` has exactly ceil(Sq/128) rows). Used by bench/accuracy.py and bench/e2e.py.
@@ -94,12 +105,19 @@ class AttentionOverride:
         self.restore()
 
     def restore(self) -> None:
-        """Put the previous attention implementation back and drop the registrations."""
+        """Put the previous attention implementation back and drop the registrations. Handles of one
+        model may be restored in any order: one restored under a later one leaves the model to that
+        one, which then restores past it."""
         if not self.active:
             return
-        _set_implementation(self.model, self.previous)
-        _unregister(self.name)
-        self.active = False
+        try:
+            if self.model.config._attn_implementation == self.name:
+                _set_implementation(self.model, _restored_target(self.previous))
+            else:
+                _restored_under[self.name] = self.previous
+        finally:
+            _unregister(self.name)
+            self.active = False
 
 
 class CosaAttention(AttentionOverride):
@@ -125,8 +143,8 @@ class CosaAttention(AttentionOverride):
         """Counts of sparse and dense calls, and ``dense_reasons``: the dense calls per reason,
         ``decode`` (a decode step: one query token), ``short_prompt`` (a prefill shorter than
         ``min_prefill_tokens``), ``sliding_window``, ``dropout`` (training with dropout),
-        ``output_attentions`` (attention weights requested), ``not_causal``, ``dtype`` (not
-        bf16/fp16), ``head_dim`` (not 64 or 128), ``unsupported_mask`` (a mask other than plain
+        ``output_attentions`` (attention weights requested), ``grad`` (a gradient is needed),
+        ``not_causal``, ``dtype`` (not bf16/fp16), ``head_dim`` (not 64 or 128), ``unsupported_mask`` (a mask other than plain
         causal, e.g. padding) or ``unaligned_prefix`` (a cached prefix that is not a multiple of 128
         tokens). With statistics on, also the mean stage-1 and realised budgets over the sparse
         calls, overall and per layer."""
@@ -161,14 +179,10 @@ def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: floa
     ``collect_stats``: record each call's budgets in ``handle.calls`` (reads the lists on the host:
     one synchronisation per layer); ``block_selector``: replace KAP with another selection (the
     benchmarks feed the peers' masks to OSK this way)."""
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if stride <= 0 or BLOCK % stride:
-        raise ValueError(f"stride must divide {BLOCK}, got {stride}")
-    if vote not in reference.VOTE_SCOPES:
-        raise ValueError(f"vote must be 'warpgroup' or 'tile', got {vote!r}")
-    if proxy_precision not in reference.PROXY_PRECISIONS:
-        raise ValueError(f"proxy_precision must be one of {', '.join(reference.PROXY_PRECISIONS)}, got {proxy_precision!r}")
+    # The ops' own argument contract, here rather than at the first long prefill.
+    op = "integrations.transformers.enable"
+    check_tuning(op, stride=stride, top_p=top_p, delta=delta, vote=vote, proxy_precision=proxy_precision)
+    min_prefill_tokens = validation.integer(op, "min_prefill_tokens", min_prefill_tokens)
     if min_prefill_tokens < 1:
         raise ValueError(f"min_prefill_tokens must be >= 1, got {min_prefill_tokens}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -198,7 +212,7 @@ def _attention_function(handle: CosaAttention):
     dense = sdpa_attention()
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        prefix, reason = _sparse_prefix(module, query, key, attention_mask, dropout, settings, kwargs)
+        prefix, reason = _sparse_prefix(module, query, key, value, attention_mask, dropout, settings, kwargs)
         layer = getattr(module, "layer_idx", None)
         if reason is not None:
             handle.dense_calls += 1
@@ -220,13 +234,19 @@ def _attention_function(handle: CosaAttention):
     return attention
 
 
-def _sparse_prefix(module, query, key, attention_mask, dropout, settings: Settings, kwargs):
+def _sparse_prefix(module, query, key, value, attention_mask, dropout, settings: Settings, kwargs):
     """``(prefix, None)`` when the call can run CoSA over keys ``[0, Sq + prefix)``, else
     ``(None, reason)``."""
     _, _, seqlen_q, head_dim = query.shape
     seqlen_kv = key.shape[2]
+    # A decode step's mask is dropped even with a cache (all keys attend), which the no-mask case
+    # below would read as keys without a prefix: decode stays dense whatever min_prefill_tokens is.
+    if seqlen_q == 1:
+        return None, "decode"
     if seqlen_q < settings.min_prefill_tokens:
-        return None, "decode" if seqlen_q == 1 else "short_prompt"
+        return None, "short_prompt"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None, "grad"
     if kwargs.get("sliding_window") is not None:
         return None, "sliding_window"
     if dropout and module.training:
@@ -255,17 +275,24 @@ def _sparse_prefix(module, query, key, attention_mask, dropout, settings: Settin
 
 # Every layer of one forward gets the same mask tensor: its verdict is kept for that tensor (alive,
 # not modified in place since) rather than recomputed by a scan of Sq x Skv elements per layer.
+# Tensors made under torch.inference_mode() have no version counter: theirs is kept for the tensor
+# alone (transformers builds a new mask for each forward and does not write to it).
 _mask_verdict: tuple = (None, -1, 0, 0, False)  # (weakref to the mask, its _version, Sq, Skv, verdict)
+
+
+def _mask_version(mask: torch.Tensor) -> int | None:
+    return None if mask.is_inference() else mask._version
 
 
 def _mask_is_bottom_right_causal(mask: torch.Tensor, seqlen_q: int, seqlen_kv: int) -> bool:
     global _mask_verdict
     ref, version, cached_q, cached_kv, verdict = _mask_verdict
-    if ref is not None and ref() is mask and version == mask._version and (cached_q, cached_kv) == (seqlen_q, seqlen_kv):
+    if (ref is not None and ref() is mask and version == _mask_version(mask)
+            and (cached_q, cached_kv) == (seqlen_q, seqlen_kv)):
         return verdict
     # Older versions size the mask past the keys (one spare column); SDPA reads its first Skv columns.
     verdict = _is_bottom_right_causal(mask[..., :seqlen_kv], seqlen_q, seqlen_kv)
-    _mask_verdict = (weakref.ref(mask), mask._version, seqlen_q, seqlen_kv, verdict)
+    _mask_verdict = (weakref.ref(mask), _mask_version(mask), seqlen_q, seqlen_kv, verdict)
     return verdict
 
 

@@ -30,7 +30,7 @@ one FlashAttention call or one CoSA call over its tokens.
 
 from __future__ import annotations
 
-import collections
+import collections.abc
 import functools
 import threading
 from dataclasses import dataclass, fields
@@ -58,13 +58,16 @@ class Settings:
     def from_additional_config(cls, additional_config) -> "Settings":
         """Read and check ``additional_config["cosa"]`` (absent: the defaults); a ValueError names
         any unknown key or a value of the wrong type."""
-        given = (additional_config or {}).get("cosa", {}) if isinstance(additional_config, dict) else {}
-        if not isinstance(given, dict):
+        # vLLM also takes an object of a platform's own there; only a mapping can hold CoSA's settings.
+        mapping = isinstance(additional_config, collections.abc.Mapping)
+        given = additional_config.get("cosa", {}) if mapping else {}
+        if not isinstance(given, collections.abc.Mapping):
             raise ValueError(f"additional_config['cosa'] must be a dict of CoSA settings, got {type(given).__name__}")
         known = {f.name: f.type for f in fields(cls)}
-        unknown = sorted(set(given) - set(known))
+        unknown = sorted(map(repr, set(given) - set(known)))  # repr: keys need not be strings
         if unknown:
-            raise ValueError(f"additional_config['cosa']: unknown setting(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"additional_config['cosa']: unknown setting(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
         kinds = {"int": int, "float": (int, float), "str": str}
         for name, value in given.items():
             kind = kinds[known[name]]
@@ -80,16 +83,12 @@ class Settings:
 
 @functools.lru_cache(maxsize=16)
 def _check_with_the_ops(settings: Settings) -> None:
-    """Refuse values the ops would refuse, at engine start rather than at the first long prompt: one
-    prefill of 128 tokens on the CPU (the reference) runs the ops' own argument contract."""
-    import cosa
+    """Refuse values the ops would refuse, at engine start rather than at the first long prompt."""
+    from cosa.api import check_tuning
 
-    q = torch.zeros((BLOCK, 1, 64), dtype=torch.bfloat16)
-    cache = torch.zeros((1, BLOCK, 1, 64), dtype=torch.bfloat16)
     try:
-        cosa.prefill(q, cache, cache, torch.zeros((1, 1), dtype=torch.int32), torch.tensor([0, BLOCK], dtype=torch.int32),
-                     torch.tensor([BLOCK], dtype=torch.int32), BLOCK, BLOCK, stride=settings.stride, top_p=settings.top_p,
-                     delta=settings.delta, vote=settings.vote, proxy_precision=settings.proxy_precision)
+        check_tuning("prefill", stride=settings.stride, top_p=settings.top_p, delta=settings.delta,
+                     vote=settings.vote, proxy_precision=settings.proxy_precision)
     except (TypeError, ValueError) as error:
         raise ValueError(f"additional_config['cosa']: {error}") from None
 
