@@ -55,18 +55,20 @@ def _kap_fake(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max
     return _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k)
 
 
+# The outputs are contiguous whatever the inputs' strides, as the kernels' (and the reference's) are:
+# new_empty, not empty_like, which would copy q's strides.
 def _osk_fake(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
               softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE):
-    return (torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
-            torch.empty_like(counts))
+    return (q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+            counts.new_empty(counts.shape))
 
 
 def _prefill_fake(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
                   stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
                   delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION):
     order, counts = _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k)
-    return (torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), order, counts,
-            torch.empty_like(counts))
+    return (q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), order, counts,
+            counts.new_empty(counts.shape))
 
 
 def _osk_cpu(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
@@ -101,11 +103,23 @@ def schema_mismatch() -> str | None:
     return None
 
 
+def _no_backward(name: str):
+    """The ops' autograd formula: a clear error. Without one, PyTorch's fallback lets a backward through
+    them run and fail somewhere else, or give wrong gradients."""
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"cosa.{name} has no backward: CoSA is an inference (prefill) method; compute "
+                                  "gradients through dense attention")
+
+    return backward
+
+
 def register():
-    """Attach the fake and CPU kernels to the schemas that cosa._C declared."""
+    """Attach the fake and CPU kernels and the autograd formula to the schemas that cosa._C declared."""
     for name, fake, cpu in _KERNELS:
         torch.library.register_fake(f"cosa::{name}")(_contract_first(name, fake, fake=True))
         torch.library.register_kernel(f"cosa::{name}", "cpu")(_contract_first(name, cpu))
+        torch.library.register_autograd(f"cosa::{name}", _no_backward(name))
 
 
 __all__ = ["register", "schema_mismatch"]

@@ -32,6 +32,31 @@ def prefill_args(p):
             p["max_seqlen_q"], p["max_seqlen_k"])
 
 
+def test_the_ops_have_no_backward(ops):
+    """Inputs that require grad run forward; a backward through an op is a clear error naming it."""
+    p = small_problem()
+    q = p["q"].clone().requires_grad_(True)
+    out = ops.prefill(q, *prefill_args(p)[1:])[0]
+    with pytest.raises(NotImplementedError, match="cosa.prefill has no backward"):
+        out.float().sum().backward()
+    order, counts = ops.kap(*kap_layout_args(p))
+    out = ops.osk(q, p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"], order, counts,
+                  p["max_seqlen_q"])[0]
+    with pytest.raises(NotImplementedError, match="cosa.osk has no backward"):
+        out.float().sum().backward()
+
+
+def test_fake_outputs_are_contiguous_for_a_strided_q(ops):
+    """torch.compile traces the fakes: their outputs must have the real ones' (contiguous) strides."""
+    p = small_problem()
+    p["q"] = p["q"].transpose(0, 1).contiguous().transpose(0, 1)
+    assert not p["q"].is_contiguous()
+    torch.library.opcheck(ops.prefill.default, prefill_args(p) + (8, 0.9, None, 100.0))
+    order, counts = ops.kap(*kap_layout_args(p), 8, 0.9, None)
+    torch.library.opcheck(ops.osk.default, (p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"],
+                                            p["seqused_k"], order, counts, p["max_seqlen_q"], None, 100.0))
+
+
 def test_opcheck_all_ops(ops):
     p = small_problem()
     order, counts = ops.kap(*kap_layout_args(p), 8, 0.9, None)
