@@ -28,8 +28,16 @@ _OSK_TILES_PER_CHUNK = 256
 _KAP_ROWS_PER_CHUNK = 1024
 
 
+FLOAT32_MIN_NORMAL = 2.0 ** -126  # below it the kernels (built to flush subnormals) read 0
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _float32(x: float) -> float:
+    """x rounded to float32, where the kernels hold the scalar arguments (spec: "all of it in fp32")."""
+    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def num_q_blocks_bound(total_q: int, batch: int, max_seqlen_q: int) -> int:
@@ -141,7 +149,7 @@ def _kap_select(scores, hrm, prefix, top_p):
     # prefix is every candidate.
     total = sorted_s.sum(-1, keepdim=True)
     before = torch.cumsum(sorted_s, -1) - sorted_s
-    in_prefix = ~(before >= top_p * total) if top_p < 1.0 else torch.ones_like(sorted_h)
+    in_prefix = ~(before >= top_p * total) if _float32(top_p) < 1.0 else torch.ones_like(sorted_h)
     diagonal = prefix // BLOCK + torch.arange(nq, device=device)[None, :, None]
     keep = (in_prefix | sorted_h | (sorted_j == 0) | (sorted_j == diagonal)) & sorted_candidate
     # Compact the kept entries to the front, keeping their sort order.
@@ -310,8 +318,12 @@ def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
         if nq == 0:
             continue
         prefix = lk - lq
-        skip_on = 0 < delta < lk  # delta >= N would skip everything after the first block
-        tau = math.log(delta / lk) if skip_on else 0.0
+        # In float32, as the kernels hold them: delta >= N would skip everything after the first block,
+        # and delta / N below float32's normal range is 0 (tau = -inf: no live row skips).
+        delta32, lk32 = _float32(delta), _float32(lk)
+        skip_on = 0 < delta32 < lk32
+        ratio = _float32(delta32 / lk32)
+        tau = (math.log(ratio) if ratio >= FLOAT32_MIN_NORMAL else -math.inf) if skip_on else 0.0
         # Tiles of this sequence: t = h * nq + i.
         q_b = _pad_rows(q[q0:q0 + lq].to(dt), nq * BLOCK).reshape(nq, BLOCK, hq, d).permute(2, 0, 1, 3)
         q_b = q_b.reshape(hq * nq, BLOCK, d)

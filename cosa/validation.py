@@ -4,8 +4,8 @@ The argument contract itself (devices, dtypes, shapes, values, the contents of t
 is written once, in C++ (csrc/torch_binding.cpp), and every path runs it: the CUDA ops, the CPU
 ops (cosa/ops.py) and the wrappers, through ``torch.ops.cosa.check_args``. What the C++ side cannot
 see is the Python type of an argument: the op schemas would coerce ``stride=True`` to 1 and refuse
-``stride=8.0`` with a RuntimeError that names no argument. This module refuses those with a
-TypeError naming the op and the argument."""
+``stride=8.0``, or an int past int64, with a RuntimeError that names no argument. This module refuses
+those with a TypeError (a ValueError for the int's range) naming the op and the argument."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def integer(op, name, value, optional=False):
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         _fail(op, name, "an int" + (" or None" if optional else ""), value)
+    if not -2**63 <= value < 2**63:  # the op schemas' int is int64
+        raise ValueError(f"cosa.{op}: {name} must fit in int64, got {value}")
     return int(value)
 
 

@@ -231,6 +231,8 @@ Sizes check_tensors(const OpArgs& a) {
   const int64_t total_q = q.size(0), num_heads_q = q.size(1), head_dim = q.size(2);
   COSA_CHECK_VALUE(head_dim == 64 || head_dim == 128, op, "head dim must be 64 or 128, got ", head_dim,
                    " (q.shape[-1])");
+  COSA_CHECK_VALUE(total_q >= 1, op, "q must hold at least one query token, got shape ", tuple_str(q.sizes()));
+  COSA_CHECK_VALUE(num_heads_q >= 1, op, "q must have at least one head, got shape ", tuple_str(q.sizes()));
   for (const auto& [name, cache] : {std::pair{"k_cache", &a.k_cache}, std::pair{"v_cache", a.v_cache}}) {
     if (!cache) continue;
     COSA_CHECK_TYPE(cache->scalar_type() == dtype, op, name, " must have q's dtype ", dtype_name(dtype), ", got ",
@@ -287,8 +289,12 @@ void check_scalars(const OpArgs& a) {
                      "top_p must be in (0, 1], got ", *a.top_p);
   }
   if (a.softmax_scale) {
-    COSA_CHECK_VALUE(std::isfinite(*a.softmax_scale) && *a.softmax_scale > 0, op,
-                     "softmax_scale must be a finite positive number, got ", *a.softmax_scale);
+    // The kernels hold it in float32: it must stay a finite, normal float32 there.
+    COSA_CHECK_VALUE(*a.softmax_scale >= std::numeric_limits<float>::min() &&
+                         *a.softmax_scale <= std::numeric_limits<float>::max(),
+                     op, "softmax_scale must be a positive number in float32's normal range [",
+                     std::numeric_limits<float>::min(), ", ", std::numeric_limits<float>::max(), "], got ",
+                     *a.softmax_scale);
   }
   if (a.delta) {
     // The kernels hold delta in float32 and flush subnormals to zero, where the skip would be off; the
@@ -457,10 +463,8 @@ std::tuple<int64_t, int64_t> check_args(c10::string_view op_name, const at::Tens
   const IndexData d = read_index_data(a);
   check_lengths_data(a, s, d);
   if (!max_seqlen_q) {
-    int64_t longest = 0;
+    int64_t longest = 0;  // >= 1: total_q >= 1, and cu_seqlens_q ends at total_q
     for (int64_t b = 0; b < s.batch; ++b) longest = std::max(longest, d.cu[b + 1] - d.cu[b]);
-    COSA_CHECK_VALUE(longest >= 1, a.op, "cu_seqlens_q must hold at least one query token, got ",
-                     tuple_str(d.cu));
     a.max_seqlen_q = longest;
     check_list_shapes(a, s, longest);
   }
@@ -520,7 +524,6 @@ int64_t element_span(const at::Tensor& t) {
 void check_cuda_limits(const OpArgs& a, const Sizes& s) {
   const char* op = a.op;
   COSA_CHECK_VALUE(a.q.is_cuda(), op, "q must be a CUDA tensor, got one on ", a.q.device());
-  COSA_CHECK_VALUE(s.num_heads_q > 0, op, "q must have at least one head, got shape ", tuple_str(a.q.sizes()));
   if (a.stride) {
     COSA_CHECK_VALUE(*a.max_seqlen_k <= kKapMaxSeqlenK, op, "max_seqlen_k = ", *a.max_seqlen_k,
                      " exceeds the CUDA KAP limit of ", kKapMaxSeqlenK,

@@ -441,16 +441,31 @@ def test_wrappers_check_the_lengths_before_deriving_max_lengths(ops, case):
             call(**{name: p[name] for name in changes})
 
 
-def test_a_batch_without_queries_is_refused_in_the_callers_terms(ops):
-    """One sequence of 0 queries: the wrapper derives max_seqlen_q = 0, and says so in terms of the
-    arguments it was given (cu_seqlens_q), not of max_seqlen_q."""
-    q = torch.zeros(0, 4, 64, dtype=torch.bfloat16)
+def test_a_batch_without_queries_or_heads_is_refused(ops):
+    """total_q = 0 or no query head: refused on every path, whether the max lengths are given or derived
+    (given, an empty batch used to pass and return_stats then divided by zero)."""
     cache = torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)
     page_table = torch.arange(8, dtype=torch.int32)[None]
-    message = "cosa.prefill: cu_seqlens_q must hold at least one query token, got (0, 0)"
-    with pytest.raises(ValueError, match=re.escape(message)):
-        cosa.prefill(q, cache, cache, page_table, torch.tensor([0, 0], dtype=torch.int32),
-                     torch.tensor([128], dtype=torch.int32))
+    lengths = (torch.tensor([0, 0], dtype=torch.int32), torch.tensor([128], dtype=torch.int32))
+    for max_lengths in ((), (1, 128)):
+        with pytest.raises(ValueError, match=re.escape("cosa.prefill: q must hold at least one query token")):
+            cosa.prefill(torch.zeros(0, 4, 64, dtype=torch.bfloat16), cache, cache, page_table, *lengths, *max_lengths)
+    lengths = (torch.tensor([0, 4], dtype=torch.int32), torch.tensor([128], dtype=torch.int32))
+    for op in (cosa.prefill, cosa.kap):
+        v_cache = (cache,) if op is cosa.prefill else ()
+        with pytest.raises(ValueError, match=r"cosa\.(prefill|kap): q must have at least one head"):
+            op(torch.zeros(4, 0, 64, dtype=torch.bfloat16), cache, *v_cache, page_table, *lengths)
+
+
+def test_scalars_the_kernels_cannot_hold_are_refused(ops):
+    """The kernels hold softmax_scale in float32 (inf past its range, 0 below it) and the schemas' ints
+    are int64."""
+    p = small_problem()
+    for scale in (1e39, 1e-46, 1e-40):
+        with pytest.raises(ValueError, match="softmax_scale must be a positive number in float32's normal range"):
+            cosa.prefill(*prefill_args(p)[:6], softmax_scale=scale)
+    with pytest.raises(ValueError, match="max_seqlen_k must fit in int64"):
+        cosa.prefill(*prefill_args(p)[:7], 2**70)
 
 
 def test_check_args_derives_the_max_lengths(ops):

@@ -7,7 +7,7 @@ import torch
 
 from cosa import defaults
 from cosa import reference as R
-from cosa.layout import kap_layout_args
+from cosa.layout import kap_layout_args, paged_from_contiguous
 from cosa.testing import random_problem
 
 from helpers import assert_rows_close, dense_order, permute_lists, query_blocks, rel_err, run_dense, run_kap, run_osk
@@ -125,6 +125,35 @@ def test_skip_changes_output_little_and_is_off_when_delta_reaches_n():
     off, _, none_skipped = run_osk(p, order, counts, delta=1024.0)  # delta >= N: exact
     assert int(none_skipped.sum()) == 0
     assert torch.equal(off, exact)
+
+
+def test_delta_and_tau_are_taken_in_float32():
+    """As the kernels hold them: a delta whose float32 is N switches the skip off, and delta / N below
+    float32's normal range gives tau = -inf, where no live row skips (a half past Lq still does)."""
+    p = problem(seqlens_q=(552,), seqlens_k=(1064,), hq=2, hkv=1, structure="sinks", seed=6, scale_logit=25.0)
+    order, counts = run_kap(p, top_p=1.0)
+    assert int(run_osk(p, order, counts, delta=1063.0)[2].sum()) > 0
+    assert float(torch.tensor(1063.99999, dtype=torch.float32)) == 1064.0
+    assert int(run_osk(p, order, counts, delta=1063.99999)[2].sum()) == 0
+    # 552 queries: the last query block's second half (rows 576-639) holds no live row.
+    _, _, skipped = run_osk(p, order, counts, delta=1.5 * 2.0 ** -126)
+    expected = torch.zeros_like(skipped)
+    expected[:, 4] = counts[:, 4] - 1
+    assert torch.equal(skipped, expected)
+
+
+def test_top_p_that_rounds_to_one_in_float32_keeps_every_candidate():
+    """Key block 1 anti-aligned with every query: its proxy score is exactly 0, so a top_p below 1
+    leaves it out, and one that is 1 in float32 (as the kernels hold it) keeps it."""
+    direction = torch.zeros(64, dtype=torch.float64)
+    direction[0] = 20.0
+    q = direction.expand(384, 1, 64).clone()
+    k = direction.expand(384, 1, 64).clone()
+    k[128:256] *= -1
+    p = paged_from_contiguous(q, k, torch.randn(384, 1, 64, dtype=torch.float64))
+    lists = {top_p: run_kap(p, top_p=top_p) for top_p in (1.0, 1.0 - 1e-9, 0.999)}
+    assert int(lists[1.0][1][0, 2]) == 3 and int(lists[0.999][1][0, 2]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(lists[1.0], lists[1.0 - 1e-9]))
 
 
 def test_hrm_first_sorted_and_forced_blocks_kept():

@@ -91,7 +91,7 @@ def test_settings_from_additional_config():
         Settings.from_additional_config({"cosa": {"min_prefill_tokens": 0}})
     with pytest.raises(ValueError, match="must be a dict"):
         Settings.from_additional_config({"cosa": [1]})
-    with pytest.raises(ValueError, match="unknown setting\(s\) 'topp', 1;"):  # keys of mixed types
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) 'topp', 1;"):  # keys of mixed types
         Settings.from_additional_config({"cosa": {1: 2, "topp": 0.9}})
     # Any mapping holds settings; vLLM's additional_config may also be a platform's object of its own.
     assert Settings.from_additional_config(types.MappingProxyType({"cosa": {"vote": "tile"}})).vote == "tile"
