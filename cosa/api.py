@@ -117,7 +117,8 @@ def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
         softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE):
     """OSK (spec section 3): attention over the listed blocks in list order, with the in-kernel skip
     decided per 64-row half of each tile (``vote="warpgroup"``) or for the whole tile (``"tile"``).
-    Returns ``(out, lse, skipped)``; ``skipped`` counts skipped 64-row halves."""
+    Returns ``(out, lse, skipped)``; ``skipped`` counts skipped 64-row halves. Each list must hold
+    causal blocks of its query block (checked); a block listed twice is computed twice (not checked)."""
     op = "osk"
     tensors = _tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k, order=order, counts=counts)
