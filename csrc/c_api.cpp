@@ -7,6 +7,14 @@ size_t cosa_kap_params_size(void) { return sizeof(cosa::KapParams); }
 
 size_t cosa_osk_params_size(void) { return sizeof(cosa::OskParams); }
 
+void cosa_kap_params_init(cosa_kap_params* params) {
+  if (params) *params = cosa::KapParams{};
+}
+
+void cosa_osk_params_init(cosa_osk_params* params) {
+  if (params) *params = cosa::OskParams{};
+}
+
 size_t cosa_kap_workspace_bytes(const cosa_kap_params* params) {
   return params ? cosa::kap_workspace_bytes(*params) : 0;
 }

@@ -1,8 +1,11 @@
 // C entry points to the CoSA kernels, for callers without torch (C programs, Python ctypes).
 // The parameter structs are those of cosa_params.h (cosa::KapParams, cosa::OskParams); C callers
 // mirror their layout and may compare sizeof with cosa_kap_params_size()/cosa_osk_params_size().
-// Nothing here checks shapes or device data: give the kernels what the torch binding's checks
-// (csrc/torch_binding.cpp, spec section 1) would accept. Return values are cudaError_t codes
+// cosa_run_kap and cosa_run_osk refuse plain data the kernels cannot run (valid_kap_params and
+// valid_osk_params of cosa_params.h: null pointers, unaligned rows, head dims, page sizes, strides,
+// scalars out of range) with cudaErrorInvalidValue before any launch; the contents of the index
+// arrays (lengths, page table, lists) are not checked: give the kernels what the torch binding's
+// checks (csrc/torch_binding.cpp, spec section 1) would accept. Return values are cudaError_t codes
 // (0 = cudaSuccess); launches are asynchronous on `stream` (a cudaStream_t, null = legacy stream).
 #pragma once
 
@@ -21,7 +24,14 @@ typedef struct cosa_osk_params cosa_osk_params;
 size_t cosa_kap_params_size(void);
 size_t cosa_osk_params_size(void);
 
-// Bytes of scratch memory that cosa_run_kap needs in params->workspace (0 when none).
+// Every field of *params to its default: the tuning arguments of cosa/defaults.py (stride, top_p,
+// proxy precision; delta, vote), every pointer, size and stride 0, and softmax_scale 0, which the
+// caller must set (1 / sqrt(head_dim) is the usual value).
+void cosa_kap_params_init(cosa_kap_params* params);
+void cosa_osk_params_init(cosa_osk_params* params);
+
+// Bytes of scratch memory that cosa_run_kap needs in params->workspace (0 when none, and for
+// parameters that cosa_run_kap refuses).
 size_t cosa_kap_workspace_bytes(const cosa_kap_params* params);
 
 // workspace_bytes: the size of the buffer at params->workspace; cudaErrorInvalidValue if it is

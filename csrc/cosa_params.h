@@ -4,6 +4,7 @@
 // Semantics: docs/spec.md (the contract that every implementation of the ops agrees on).
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -69,6 +70,27 @@ inline bool valid_page_size(int64_t page_size) {
   return page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
 }
 
+// Rows the kernels read in 16-byte chunks: a 16-byte aligned base and strides that are multiples
+// of 8 elements (2-byte elements, head_dim contiguous).
+inline bool rows_aligned(const void* base, int64_t stride_a, int64_t stride_b, int64_t stride_c = 0) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && stride_a % 8 == 0 && stride_b % 8 == 0 &&
+         stride_c % 8 == 0;
+}
+
+// What run_kap and run_osk check of a layout's plain data before any launch (cudaErrorInvalidValue
+// otherwise), so that a C API caller's zeroed or mistaken struct fails there instead of in a kernel.
+// The torch binding checks all of it, and the contents of the index tensors, with messages.
+inline bool valid_layout(const PagedLayout& l) {
+  return l.q != nullptr && l.k_cache != nullptr && l.page_table != nullptr && l.cu_seqlens_q != nullptr &&
+         l.seqused_k != nullptr && l.batch >= 1 && l.num_heads_q >= 1 && l.num_heads_kv >= 1 &&
+         l.num_heads_q % l.num_heads_kv == 0 && (l.head_dim == 64 || l.head_dim == 128) &&
+         valid_page_size(l.page_size) && (l.dtype == DType::kBFloat16 || l.dtype == DType::kFloat16) &&
+         l.softmax_scale > 0.f && std::isfinite(l.softmax_scale) && l.total_q >= 0 && l.num_q_blocks >= 0 &&
+         l.max_k_blocks >= 0 && l.max_seqlen_q >= 0 && l.max_seqlen_k >= 0 &&
+         rows_aligned(l.q, l.q_row_stride, l.q_head_stride) &&
+         rows_aligned(l.k_cache, l.k_page_stride, l.k_row_stride, l.k_head_stride);
+}
+
 // log2 of a valid page size: token t lies in page-table entry t >> log2_page_size, row
 // t & (page_size - 1). One bit-scan instruction on either side.
 __host__ __device__ inline int log2_page_size(int page_size) {
@@ -90,7 +112,8 @@ inline ProxyPrecision resolve_proxy_precision(ProxyPrecision precision, int max_
   return max_seqlen_k >= COSA_FP8_PROXY_MIN_KEYS ? ProxyPrecision::kE4M3 : ProxyPrecision::kNative;
 }
 
-// KAP (spec section 2). Inputs are validated by the binding before launch.
+// KAP (spec section 2). The binding validates the inputs, data included, before launch; run_kap
+// refuses what valid_kap_params does not accept.
 struct KapParams {
   PagedLayout layout;
   int stride = COSA_DEFAULT_STRIDE;             // s: divides 128
@@ -126,6 +149,24 @@ struct OskParams {
   // skipped, summed over the list (a tile-wide skip counts 2).
   int32_t* skipped = nullptr;
 };
+
+// The plain-data checks of run_kap and run_osk (see valid_layout).
+inline bool valid_kap_params(const KapParams& p) {
+  return valid_layout(p.layout) && (p.stride == 4 || p.stride == 8 || p.stride == 16) &&
+         p.top_p >= 0.f && p.top_p <= 1.f &&  // 0: a top_p below float32's range
+         (p.precision == ProxyPrecision::kNative || p.precision == ProxyPrecision::kE4M3 ||
+          p.precision == ProxyPrecision::kAuto) &&
+         p.order != nullptr && p.counts != nullptr;
+}
+
+inline bool valid_osk_params(const OskParams& p) {
+  const PagedLayout& l = p.layout;
+  return valid_layout(l) && l.v_cache != nullptr &&
+         rows_aligned(l.v_cache, l.v_page_stride, l.v_row_stride, l.v_head_stride) && p.order != nullptr &&
+         p.counts != nullptr && p.out != nullptr && rows_aligned(p.out, p.out_row_stride, p.out_head_stride) &&
+         p.lse != nullptr && p.skipped != nullptr && std::isfinite(p.delta) &&
+         (p.vote == VoteScope::kTile || p.vote == VoteScope::kWarpgroup);
+}
 
 // The data-dependent argument checks of the binding (csrc/checks/input_checks.cu): the conditions of
 // spec section 1 on the lengths and the page table and, when `order` is set, those of spec section 3

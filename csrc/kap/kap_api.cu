@@ -200,19 +200,15 @@ KapParams with_resolved_precision(const KapParams& given) {
 }  // namespace
 
 size_t kap_workspace_bytes(const KapParams& given) {
-  return kap::workspace_layout(with_resolved_precision(given)).total_bytes;
+  // 0 for parameters run_kap refuses (the layout divides by the stride).
+  return valid_kap_params(given) ? kap::workspace_layout(with_resolved_precision(given)).total_bytes : 0;
 }
 
 cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
+  if (!valid_kap_params(given)) return cudaErrorInvalidValue;
   const KapParams params = with_resolved_precision(given);
   const PagedLayout& layout = params.layout;
-  if (params.stride != 4 && params.stride != 8 && params.stride != 16) return cudaErrorInvalidValue;
-  if (params.precision != ProxyPrecision::kNative && params.precision != ProxyPrecision::kE4M3) {
-    return cudaErrorInvalidValue;
-  }
-  if (layout.head_dim != 64 && layout.head_dim != 128) return cudaErrorInvalidValue;
-  if (!valid_page_size(layout.page_size)) return cudaErrorInvalidValue;
-  if (layout.num_q_blocks == 0 || layout.num_heads_q == 0) return cudaSuccess;
+  if (layout.num_q_blocks == 0) return cudaSuccess;
   if (kap::select_smem_bytes(layout.max_k_blocks) > 200 * 1024) return cudaErrorInvalidValue;
   const kap::WorkspaceLayout ws = kap::workspace_layout(params);
   // The copies in it are read by 16-byte cp.async and by TMA (16-byte aligned addresses).
