@@ -26,13 +26,19 @@ import cutlass_headers  # noqa: E402
 
 def locate_cuda_home() -> None:
     """torch takes the folder above the `nvcc` found on PATH as CUDA_HOME; when that nvcc is a
-    wrapper script (as /usr/local/bin/nvcc is on some machines), that folder holds no CUDA
-    headers. Point CUDA_HOME at the standard toolkit folder then, before torch reads it."""
+    symlink or a wrapper script (as /usr/local/bin/nvcc is on some machines), that folder holds no
+    CUDA headers. Point CUDA_HOME, before torch reads it, at the toolkit the symlink leads to, or
+    else at the standard toolkit folder."""
     if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
         return
     nvcc = shutil.which("nvcc")
-    if nvcc and (Path(nvcc).resolve().parent.parent / "include" / "cuda_runtime.h").exists():
-        return
+    if nvcc:
+        if (Path(nvcc).parent.parent / "include" / "cuda_runtime.h").exists():  # torch's choice
+            return
+        toolkit = Path(nvcc).resolve().parent.parent  # where a symlinked nvcc lives
+        if (toolkit / "include" / "cuda_runtime.h").exists():
+            os.environ["CUDA_HOME"] = str(toolkit)
+            return
     if Path("/usr/local/cuda/include/cuda_runtime.h").exists():
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
@@ -68,7 +74,7 @@ def kernel_sources() -> list[str]:
 
 def arch_list_names_hopper(arch_list: str) -> bool:
     entries = [e.strip() for e in re.split(r"[;,\s]+", arch_list) if e.strip()]
-    return any(e.removesuffix("+PTX") in ("9.0", "9.0a") for e in entries)
+    return any(e.removesuffix("+PTX") in ("9.0", "9.0a", "Hopper") for e in entries)
 
 
 def choose_cuda() -> tuple[bool, str]:

@@ -34,6 +34,9 @@ LOG=build/setup-sh.log
 # What decides the build besides its input files: torch, and the variables setup.py and torch's
 # extension builder read to choose the CUDA or the CPU-only build and to find nvcc and CUTLASS.
 settings="torch $("$PYTHON" -c 'import torch; print(torch.__version__)')
+nvidia-cutlass $("$PYTHON" -c 'import importlib.metadata as m
+try: print(m.version("nvidia-cutlass"))
+except m.PackageNotFoundError: print("none")')
 nvcc on PATH: $(command -v nvcc || echo none)"
 for name in TORCH_CUDA_ARCH_LIST COSA_FORCE_CPU COSA_BUILD_MANIFEST CUDA_HOME CUDA_PATH CUTLASS_DIR; do
   settings+=$'\n'"${name}=${!name:-}"
@@ -48,7 +51,7 @@ shopt -u nullglob
 build_is_current() {
   ((${#extension[@]})) && [[ -f $STAMP ]] &&
     [[ "$(grep -v '^cosa setup: ' "$STAMP")" == "$settings" ]] &&
-    [[ -z "$(find csrc setup.py CMakeLists.txt pyproject.toml cosa/defaults.py -newer "$STAMP" -print -quit)" ]]
+    [[ -z "$(find csrc setup.py CMakeLists.txt pyproject.toml cosa/defaults.py third_party -newer "$STAMP" -print -quit)" ]]
 }
 
 if build_is_current; then
