@@ -41,6 +41,22 @@ __global__ void plant_sink(__nv_bfloat16* q, size_t q_elems, __nv_bfloat16* key0
   }
 }
 
+// Low key blocks: every query gains 1 in each channel and every key of a low block loses 8 in each,
+// so that a low block's logits lie about 90 softmax units below the others': with the skip on, the
+// low blocks are skipped and the others computed. `low_pages` lists the cache pages of the low
+// blocks (page size 128: one page a block).
+__global__ void plant_low_blocks(__nv_bfloat16* q, size_t q_elems, __nv_bfloat16* k_cache, const int* low_pages,
+                                 int num_low, int page_elems) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < q_elems; i += stride) {
+    q[i] = __float2bfloat16(__bfloat162float(q[i]) + 1.f);
+  }
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(num_low) * page_elems; i += stride) {
+    __nv_bfloat16* key = k_cache + size_t(low_pages[i / page_elems]) * page_elems + i % page_elems;
+    *key = __float2bfloat16(__bfloat162float(*key) - 8.f);
+  }
+}
+
 struct Case {
   const char* name;
   int tokens;
@@ -48,6 +64,11 @@ struct Case {
   double budget;  // share of the non-forced causal blocks listed (1: every causal block)
   float delta;    // > 0: the kernel with the skip; 1e-30 skips nothing
   bool sink = false;  // plant_sink: with the skip on, every block after block 0 is skipped
+  // plant_low_blocks on key blocks drawn as a two-state chain along the keys (block 0 not low): a
+  // block after a computed one is low with probability 0.31, after a low one with 0.58, as the
+  // reference's skip decisions fall along KAP's lists of Qwen2.5-Coder-1.5B's first layer at 8K
+  // tokens (so about 42% of the blocks are skipped, two in five right after a computed block).
+  bool scattered = false;
   int heads_q = 32;
   int heads_kv = 8;
 };
@@ -59,11 +80,13 @@ static const Case kCases[] = {
     {"skip-none-16K", 16384, 128, 1.0, 1e-30f}, {"skip-all-16K", 16384, 128, 1.0, 2000.f, true},
     // Block 0 and the diagonal alone: what a tile costs beyond its blocks.
     {"sink-diagonal-16K", 16384, 128, 0.0, 0.f},
+    // Skipped blocks scattered along the lists (plant_low_blocks), synthetic.
+    {"skip-scattered-16K", 16384, 128, 1.0, 2000.f, false, true},
     // The head shape of Qwen2.5-Coder-1.5B (12 query heads, 2 KV heads) on lists of the size KAP
     // gives its layers at 32K, with the skip off and with it on but skipping nothing: the skip's tax
     // at that shape is the second case's time over the first's.
-    {"model-heads-37%-32K", 32768, 128, 0.37, 0.f, false, 12, 2},
-    {"model-heads-37%-skip-none-32K", 32768, 128, 0.37, 1e-30f, false, 12, 2},
+    {"model-heads-37%-32K", 32768, 128, 0.37, 0.f, false, false, 12, 2},
+    {"model-heads-37%-skip-none-32K", 32768, 128, 0.37, 1e-30f, false, false, 12, 2},
 };
 
 int main(int argc, char** argv) {
@@ -91,6 +114,23 @@ int main(int argc, char** argv) {
                                            k_cache + size_t(sequence.page_ids[0]) * c.page_size * heads_kv * kHeadDim,
                                            heads_kv * kHeadDim);
       CUDA_CHECK(cudaGetLastError());
+    }
+    if (c.scattered) {
+      std::vector<int> low_pages;
+      bool low = false;
+      std::uniform_real_distribution<double> chain(0.0, 1.0);
+      for (int j = 1; j < blocks; ++j) {
+        low = chain(rng) < (low ? 0.58 : 0.31);
+        if (low) low_pages.push_back(sequence.page_ids[j]);
+      }
+      int* d_low_pages;
+      CUDA_CHECK(cudaMalloc(&d_low_pages, low_pages.size() * sizeof(int)));
+      CUDA_CHECK(cudaMemcpy(d_low_pages, low_pages.data(), low_pages.size() * sizeof(int), cudaMemcpyHostToDevice));
+      plant_low_blocks<<<1024, 256, 0, stream>>>(q, q_elems, k_cache, d_low_pages, int(low_pages.size()),
+                                                 c.page_size * heads_kv * kHeadDim);
+      CUDA_CHECK(cudaGetLastError());
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      CUDA_CHECK(cudaFree(d_low_pages));
     }
     std::vector<int> order(size_t(heads_q) * blocks * blocks, -1), counts(size_t(heads_q) * blocks);
     std::uniform_real_distribution<double> uniform(0.0, 1.0);
@@ -134,7 +174,7 @@ int main(int argc, char** argv) {
       CUDA_CHECK(cudaStreamSynchronize(stream));
       CUDA_CHECK(cudaGetLastError());
       CUDA_CHECK(cudaMemcpy((v == 0 ? reference : candidate).data(), out, q_elems * 2, cudaMemcpyDeviceToHost));
-      if (c.sink) {  // skipped counts 64-row halves: each list could skip 2 * (count - 1)
+      if (c.sink || c.scattered) {  // skipped counts 64-row halves: each list could skip 2 * (count - 1)
         std::vector<int> skipped_host(counts.size());
         CUDA_CHECK(cudaMemcpy(skipped_host.data(), skipped, counts.size() * sizeof(int), cudaMemcpyDeviceToHost));
         long long done = 0, possible = 0;
