@@ -10,7 +10,7 @@ synthetic inputs, d 128, pages shuffled:
 
 - ``--kernel osk`` (the default): the head-dim-128 bf16 OSK on one sequence of 32 query heads and 8
   KV heads: dense lists at 16K and 32K, random 50% and 25% lists, page 16, and the skip kernel with
-  nothing skipped, with every block after the first skipped (a planted sink), and with about 42% of
+  nothing skipped, with every block after the first skipped (a planted sink), and with about 28% of
   the blocks skipped, scattered along the lists as on a real model's (planted low blocks; the run
   prints the share skipped); and at the model's head shape (12 query / 2 KV heads) on 37% lists at 32K, with
   the skip off and on with nothing skipped (the skip's tax at that shape). Each tree's output is
