@@ -73,8 +73,9 @@ struct Case {
   // plant_low_blocks on key blocks drawn as a two-state chain along the keys (block 0 not low): a
   // block after a computed one is low with probability 0.15, after a low one with 0.62, about as
   // the reference's skip decisions fall along KAP's lists of Qwen2.5-Coder-1.5B's layers 1, 11, 19
-  // and 27 at 8K tokens (0.12-0.17 and 0.58-0.70; its first layer 0.31 and 0.58). So about 28% of
-  // the blocks are skipped, two in five of them right after a computed block.
+  // and 27 at 8K tokens (0.12-0.17 and 0.58-0.70; its first layer 0.31 and 0.58; at 32K tokens
+  // 0.05-0.12 and 0.36-0.70). So about 28% of the blocks are skipped, two in five of them right
+  // after a computed block.
   bool scattered = false;
   int heads_q = 32;
   int heads_kv = 8;
