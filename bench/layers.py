@@ -66,6 +66,7 @@ import argparse
 import gc
 import inspect
 import statistics
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,15 +194,12 @@ AB_INPUTS_MAGIC = b"COSAOSK1"
 
 def write_ab_inputs_header(f, n: int, facts: dict) -> None:
     """The header of ``--save-ab-inputs`` (module docstring)."""
-    f.write(AB_INPUTS_MAGIC)
-    f.write(torch.tensor([n, facts["hq"], facts["hkv"], facts["d"], len(facts["layers"])], dtype=torch.int32)
-            .numpy().tobytes())
+    f.write(AB_INPUTS_MAGIC + struct.pack("<5i", n, facts["hq"], facts["hkv"], facts["d"], len(facts["layers"])))
 
 
 def write_ab_inputs_layer(f, layer: int, scale: float, q, k, v, order, counts) -> None:
     """One layer's record of ``--save-ab-inputs`` (module docstring)."""
-    f.write(torch.tensor([layer], dtype=torch.int32).numpy().tobytes())
-    f.write(torch.tensor([scale], dtype=torch.float32).numpy().tobytes())
+    f.write(struct.pack("<if", layer, scale))
     for x in (q, k, v):
         f.write(x.to(torch.bfloat16).contiguous().cpu().view(torch.int16).numpy().tobytes())
     for x in (order, counts):
