@@ -10,10 +10,13 @@ synthetic inputs, d 128, pages shuffled:
 
 - ``--kernel osk`` (the default): the head-dim-128 bf16 OSK on one sequence of 32 query heads and 8
   KV heads: dense lists at 16K and 32K, random 50% and 25% lists, page 16, and the skip kernel with
-  nothing skipped and with every block after the first skipped (a planted sink; the run prints the
-  share skipped); and at the model's head shape (12 query / 2 KV heads) on 37% lists at 32K, with
-  the skip off and on with nothing skipped (the skip's tax at that shape). Each tree's output is
-  compared element by element with the baseline's.
+  nothing skipped, with every block after the first skipped (a planted sink), and with about 28% of
+  the blocks skipped, scattered along the lists as on a real model's (planted low blocks; the run
+  prints the share skipped); and at the model's head shape (12 query / 2 KV heads) on 37% lists at 32K, with
+  the skip off and on with nothing skipped (the skip's tax at that shape). With ``--inputs FILE``
+  (layers of a real model captured by ``bench/layers.py --save-ab-inputs``), each layer on its own
+  Q/K/V and KAP's lists, with the skip off, at the default delta, and on with nothing skipped. Each
+  tree's output is compared element by element with the baseline's.
 - ``--kernel kap``: the whole KAP launch chain at stride 8: the fp8 proxy at 4K to 128K tokens (32
   query / 8 KV heads), at 32K with 6 query heads per KV head (24 / 4), with 12 / 2 heads, and at
   strides 4 and 16; the native proxy at 4K, 8K and 32K. Each tree's lists (order and counts) are
@@ -31,7 +34,7 @@ is (the harness binary and the labels travel in ``build-ab/<kernel>/``). The run
 ``bench/results/<kernel>-ab-<date>-<commit>.json``.
 
     python bench/kernel_ab.py [--kernel osk|kap] [--build-only | --run-only] [--rounds 3]
-                              [--cases FILTER] REV [REV ...]
+                              [--cases FILTER] [--inputs FILE] REV [REV ...]
 """
 
 from __future__ import annotations
@@ -187,7 +190,7 @@ def build(kernel: str, revs: list[str]) -> list[str]:
     return labels
 
 
-def run(kernel: str, rounds: int, cases: str, out_dir: str) -> int:
+def run(kernel: str, rounds: int, cases: str, out_dir: str, inputs: str | None = None) -> int:
     harness, labels = harness_path(kernel), labels_path(kernel)
     if not harness.exists() or not labels.exists():
         fail(f"no {kernel} harness in {build_dir(kernel)}: build it first (without --run-only)")
@@ -198,7 +201,8 @@ def run(kernel: str, rounds: int, cases: str, out_dir: str) -> int:
     built = json.loads(labels.read_text())
     meta, json_path = start_run(out_dir, f"{kernel}-ab")
     rows = []
-    with subprocess.Popen([str(harness), str(rounds), cases], stdout=subprocess.PIPE, text=True) as proc:
+    command = [str(harness), str(rounds), cases] + ([inputs] if inputs else [])
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
         for line in proc.stdout:
             match = ROW.match(line.strip())
             if match is None:
@@ -210,7 +214,8 @@ def run(kernel: str, rounds: int, cases: str, out_dir: str) -> int:
                          "mismatched_elements": int(mismatches),
                          "rounds_ms": [float(x) for x in per_round.split(",")]})
     write_json(json_path, {**meta, "config": {"kernel": kernel, "revs": built["revs"], "labels": built["labels"],
-                                              "rounds": rounds, "cases": cases or "all"}, "rows": rows})
+                                              "rounds": rounds, "cases": cases or "all",
+                                              "inputs": Path(inputs).name if inputs else None}, "rows": rows})
     print(f"\nresults: {json_path}")
     return proc.returncode
 
@@ -225,11 +230,15 @@ def main(argv=None) -> int:
     mode.add_argument("--run-only", action="store_true", help="run the harness built before, with its revisions")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     parser.add_argument("--cases", default="", help="run only the cases whose name contains this text")
+    parser.add_argument("--inputs", help="OSK: captured layers of a real model (bench/layers.py --save-ab-inputs), "
+                                         "each timed as three more cases")
     parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"),
                         help="folder for the results JSON (default bench/results/)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.inputs is not None and (args.kernel != "osk" or not Path(args.inputs).is_file()):
+        parser.error("--inputs needs --kernel osk and an existing file")
     if args.run_only:
         if args.revs:
             parser.error("--run-only runs the revisions it was built with; give none")
@@ -240,7 +249,7 @@ def main(argv=None) -> int:
         if args.build_only:
             print(f"built {harness_path(args.kernel)}")
             return 0
-    return run(args.kernel, args.rounds, args.cases, args.out)
+    return run(args.kernel, args.rounds, args.cases, args.out, args.inputs)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,13 @@ blocks are skipped).
 
 With ``--lists-only`` nothing is timed, and the run needs no GPU (``--device cpu`` captures on the CPU
 and computes the lists with the ops' CPU path, the PyTorch reference): per layer only the ``kap`` and
-``kap-fp8`` rows, their stage-1 budgets and the fp8 lists' agreement with the native ones.
+``kap-fp8`` rows, their stage-1 budgets and the fp8 lists' agreement with the native ones. With
+``--save-ab-inputs FILE`` it also writes each layer's Q/K/V and KAP's lists at the defaults (the
+proxy precision ``auto`` resolves to at this length) for ``bench/kernel_ab.py --inputs FILE``, which
+times OSK variants side by side on them. The file, little-endian: the bytes ``COSAOSK1``; int32
+tokens, query heads, KV heads, head dim, layers; then per layer int32 layer index, float32 softmax
+scale, q ``[tokens, Hq, d]``, k and v ``[tokens, Hkv, d]`` (bf16), order ``[Hq, tokens/128,
+tokens/128]`` and counts ``[Hq, tokens/128]`` (int32).
 
 Each row has the median time, the stage-1 and realised budgets (cosa.prefill's statistics; 1 for the
 dense rows; the stage-1 budget of its lists for kap) and the error against a float32 dense reference
@@ -60,6 +66,7 @@ import argparse
 import gc
 import inspect
 import statistics
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,9 +173,9 @@ def stage1_budget(counts: torch.Tensor) -> float:
     return int(counts.sum()) / causal_blocks(counts.shape[1], counts.shape[0])
 
 
-def lists_rows(cosa_mod, layer: int, q, k, scale: float | None) -> list[dict]:
+def lists_rows(cosa_mod, layer: int, q, k, scale: float | None) -> tuple[list[dict], dict]:
     """``--lists-only``: the ``kap`` and ``kap-fp8`` rows of one layer, untimed, on q's device (the
-    CUDA kernels, or on the CPU the reference)."""
+    CUDA kernels, or on the CPU the reference), and the lists (precision -> ``(order, counts)``)."""
     n = q.shape[0]
     layout_args = kap_layout_args(paged_from_contiguous(q, k))
     lists, rows = {}, []
@@ -179,7 +186,24 @@ def lists_rows(cosa_mod, layer: int, q, k, scale: float | None) -> list[dict]:
     comparison = list_agreement(lists, q, k, scale)
     rows[-1].update(comparison)
     report_agreement(layer, comparison)
-    return rows
+    return rows, lists
+
+
+AB_INPUTS_MAGIC = b"COSAOSK1"
+
+
+def write_ab_inputs_header(f, n: int, facts: dict) -> None:
+    """The header of ``--save-ab-inputs`` (module docstring)."""
+    f.write(AB_INPUTS_MAGIC + struct.pack("<5i", n, facts["hq"], facts["hkv"], facts["d"], len(facts["layers"])))
+
+
+def write_ab_inputs_layer(f, layer: int, scale: float, q, k, v, order, counts) -> None:
+    """One layer's record of ``--save-ab-inputs`` (module docstring)."""
+    f.write(struct.pack("<if", layer, scale))
+    for x in (q, k, v):
+        f.write(x.to(torch.bfloat16).contiguous().cpu().view(torch.int16).numpy().tobytes())
+    for x in (order, counts):
+        f.write(x.to(torch.int32).contiguous().cpu().numpy().tobytes())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,11 +516,15 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="where the model and the ops run (auto, the default: the GPU when torch sees one); "
                         "cpu only with --lists-only, where the ops run as the PyTorch reference")
+    p.add_argument("--save-ab-inputs", metavar="FILE",
+                   help="with --lists-only: also write each layer's Q/K/V and KAP's lists for bench/kernel_ab.py --inputs")
     p.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"), help="folder for the results")
     args = p.parse_args(argv)
     if args.n <= 0 or args.n % BLOCK:
         p.error("--n must be a positive multiple of 128")
+    if args.save_ab_inputs and not args.lists_only:
+        p.error("--save-ab-inputs needs --lists-only")
     if args.device == "cpu" and not args.lists_only:
         p.error("--device cpu needs --lists-only: the timed rows run the CUDA kernels")
     if not Path(args.model).exists():
@@ -521,11 +549,29 @@ def lists_main(args) -> int:
               "lists_only": True, "device": device, "cosa_defaults": prefill_defaults(cosa)}
     rows: list[dict] = []
     failures: list[str] = []
+    ab_inputs = open(args.save_ab_inputs, "wb") if args.save_ab_inputs else None
+    if ab_inputs is not None:
+        write_ab_inputs_header(ab_inputs, args.n, facts)
+        config["ab_inputs"] = Path(args.save_ab_inputs).name
+    default_precision = cosa.reference.resolved_proxy_precision(prefill_defaults(cosa)["proxy_precision"], args.n)
+
+    def layer_lists(layer, q, k, v, scale):
+        layer_rows, lists = lists_rows(cosa, layer, q, k, scale)
+        rows.extend(layer_rows)
+        if ab_inputs is not None:
+            write_ab_inputs_layer(ab_inputs, layer, scale if scale is not None else q.shape[-1] ** -0.5, q, k, v,
+                                  *lists[default_precision])
+
     for layer in facts["layers"]:
         progress(f"layer {layer}")
-        q, k, _, scale = captured.pop(layer)
-        guarded(failures, f"layer {layer} lists", lambda: rows.extend(lists_rows(cosa, layer, q, k, scale)))
+        q, k, v, scale = captured.pop(layer)
+        guarded(failures, f"layer {layer} lists", lambda: layer_lists(layer, q, k, v, scale))
         write_json(json_path, {**meta, "config": config, "rows": rows, "failures": failures})
+    if ab_inputs is not None:
+        ab_inputs.close()
+        if failures:  # a layer is missing: the header's count would not hold
+            Path(args.save_ab_inputs).unlink()
+            progress(f"--save-ab-inputs: {args.save_ab_inputs} removed (a layer failed)")
     if args.plot and any(r["impl"] == "kap-fp8" for r in rows):
         png = json_path.with_suffix(".png")
         shown = plot_agreement(rows, png, f"{facts['model']}, {args.n} tokens, lists on {device}")

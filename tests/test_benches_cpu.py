@@ -761,6 +761,7 @@ def test_layers_arguments(tmp_path, haystack_dir):
     empty.mkdir()
     for argv in (base + ["--layers", "2,x"], base + ["--layers", "-1"], base + ["--n", "1000"],
                  base + ["--device", "cpu"], base + ["--lists-only", "--device", "tpu"],
+                 base + ["--save-ab-inputs", str(tmp_path / "ab.bin")],
                  ["--model", str(model)], ["--model", str(tmp_path / "absent"), "--haystack", str(haystack_dir)],
                  ["--model", str(model), "--haystack", str(empty)]):
         with pytest.raises(SystemExit):
@@ -926,19 +927,53 @@ def test_interleaved_rounds(monkeypatch):
     assert common.paired_ratio([2.0, 4.4, 3.0], [1.0, 2.0, 1.0]) == pytest.approx(2.2)
 
 
+def read_ab_inputs(path):
+    """bench/layers.py --save-ab-inputs, read back as its docstring lays it out."""
+    import numpy as np
+
+    data = path.read_bytes()
+    assert data[:8] == b"COSAOSK1"
+    n, hq, hkv, d, count = np.frombuffer(data, np.int32, 5, 8).tolist()
+    offset, blocks, records = 28, n // 128, {}
+
+    def take(dtype, shape):
+        nonlocal offset
+        x = np.frombuffer(data, dtype, int(np.prod(shape)), offset).reshape(shape)
+        offset += x.nbytes
+        return torch.from_numpy(x.copy())
+
+    for _ in range(count):
+        layer, scale = int(take(np.int32, (1,))[0]), float(take(np.float32, (1,))[0])
+        q, k, v = (take(np.int16, shape).view(torch.bfloat16) for shape in ((n, hq, d), (n, hkv, d), (n, hkv, d)))
+        records[layer] = (scale, q, k, v, take(np.int32, (hq, blocks, blocks)), take(np.int32, (hq, blocks)))
+    assert offset == len(data)
+    return records
+
+
 def test_layers_lists_only_on_the_cpu(tiny_model_dir, haystack_dir, tmp_path):
     """--lists-only runs without a GPU: the capture and both precisions' lists on the CPU (the
-    reference), each fp8 row's agreement computed from the lists it reports on."""
+    reference), each fp8 row's agreement computed from the lists it reports on; --save-ab-inputs
+    writes each layer's Q/K/V and its lists at the default precision."""
     from cosa import reference as R
     from cosa.layout import kap_layout_args, paged_from_contiguous
 
     rc = layers.main(["--model", str(tiny_model_dir), "--haystack", str(haystack_dir), "--n", "512",
-                      "--layers", "0,1", "--lists-only", "--device", "cpu", "--plot", "--out", str(tmp_path)])
+                      "--layers", "0,1", "--lists-only", "--device", "cpu", "--plot", "--out", str(tmp_path),
+                      "--save-ab-inputs", str(tmp_path / "ab.bin")])
     assert rc == 0
     data = only_json(tmp_path, "layers")
     assert data["config"]["lists_only"] and data["config"]["device"] == "cpu" and data["failures"] == []
     assert [(r["layer"], r["impl"]) for r in data["rows"]] == [(0, "kap"), (0, "kap-fp8"), (1, "kap"), (1, "kap-fp8")]
     captured, _ = layers.capture_layers(str(tiny_model_dir), str(haystack_dir), 512, [0, 1], 0, "cpu")
+    saved = read_ab_inputs(tmp_path / "ab.bin")
+    assert sorted(saved) == [0, 1] and data["config"]["ab_inputs"] == "ab.bin"
+    for layer, (q, k, v, scale) in captured.items():
+        saved_scale, saved_q, saved_k, saved_v, saved_order, saved_counts = saved[layer]
+        assert saved_scale == pytest.approx(scale)
+        assert torch.equal(saved_q, q) and torch.equal(saved_k, k) and torch.equal(saved_v, v)
+        # 512 keys: the default proxy precision ("auto") is the native one.
+        native = R.kap(*kap_layout_args(paged_from_contiguous(q, k)), softmax_scale=scale, proxy_precision="native")
+        assert torch.equal(saved_order, native[0]) and torch.equal(saved_counts, native[1])
     for layer, (q, k, _, scale) in captured.items():
         layout_args = kap_layout_args(paged_from_contiguous(q, k))
         lists = {precision: R.kap(*layout_args, softmax_scale=scale, proxy_precision=precision)
