@@ -22,7 +22,8 @@ synthetic inputs, d 128, pages shuffled:
   strides 4 and 16; the native proxy at 4K, 8K and 32K. Each tree's lists (order and counts) are
   compared entry by entry with the baseline's.
 
-A change that keeps the arithmetic must match bit for bit; times are medians of CUDA-event timings in
+A change that keeps the arithmetic must match bit for bit (a skip case's rows also carry the share of
+the blocks each tree skipped, ``skipped_share``); times are medians of CUDA-event timings in
 ``--rounds`` interleaved rounds (each round starting at the next tree, so that no tree always runs
 right after the same other one). A tree's ratio is the median over the rounds of its time over the
 baseline's in the same round, printed with the quartiles of those per-round ratios: a difference
@@ -72,6 +73,9 @@ def labels_path(kernel: str) -> Path:
 
 ROW = re.compile(r"^ROW case=(\S+) variant=(\S+) ms=(\S+) ratio=(\S+) q1=(\S+) q3=(\S+) mismatches=(\d+) "
                  r"rounds=(\S+)$")
+# The harness's line for a skip case, printed before the case's rows: the share of the blocks after
+# each list's first that a tree skipped (what the per-block cost of a skipped block is computed from).
+SKIPPED = re.compile(r"^(\S+), (\S+): ([0-9.]+)% of the blocks after each list's first skipped$")
 
 
 def fail(message: str) -> None:
@@ -201,17 +205,22 @@ def run(kernel: str, rounds: int, cases: str, out_dir: str, inputs: str | None =
     built = json.loads(labels.read_text())
     meta, json_path = start_run(out_dir, f"{kernel}-ab")
     rows = []
+    skipped_shares = {}  # (case, label) -> fraction
     command = [str(harness), str(rounds), cases] + ([inputs] if inputs else [])
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
         for line in proc.stdout:
             match = ROW.match(line.strip())
             if match is None:
+                skip = SKIPPED.match(line.strip())
+                if skip is not None:
+                    skipped_shares[skip.group(1), skip.group(2)] = float(skip.group(3)) / 100
                 print(line, end="", flush=True)
                 continue
             case, label, ms, ratio, q1, q3, mismatches, per_round = match.groups()
             rows.append({"case": case, "variant": label, "rev": built["revs"][built["labels"].index(label)],
                          "ms": float(ms), "ratio": float(ratio), "ratio_quartiles": [float(q1), float(q3)],
                          "mismatched_elements": int(mismatches),
+                         "skipped_share": skipped_shares.get((case, label)),
                          "rounds_ms": [float(x) for x in per_round.split(",")]})
     write_json(json_path, {**meta, "config": {"kernel": kernel, "revs": built["revs"], "labels": built["labels"],
                                               "rounds": rounds, "cases": cases or "all",

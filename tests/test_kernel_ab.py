@@ -84,6 +84,13 @@ def test_row_lines_parse():
     assert [float(x) for x in rounds.split(",")] == [1.1, 1.08, 1.07]
 
 
+
+def test_skipped_share_lines_parse():
+    line = "real-L12-32K, osk_vote_early_out: 36.5% of the blocks after each list's first skipped"
+    case, label, percent = kernel_ab.SKIPPED.match(line).groups()
+    assert (case, label, float(percent)) == ("real-L12-32K", "osk_vote_early_out", 36.5)
+    assert kernel_ab.SKIPPED.match("ROW case=x variant=y ms=1 ratio=1 q1=1 q3=1 mismatches=0 rounds=1") is None
+
 @pytest.mark.skipif(not HAS_GIT_HISTORY, reason="needs the repository's git history")
 def test_unknown_revision_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
