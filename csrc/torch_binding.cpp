@@ -520,6 +520,11 @@ int64_t element_span(const at::Tensor& t) {
   return t.numel() == 0 ? 0 : span;
 }
 
+cosa::ProxyPrecision proxy_precision_of(c10::string_view precision) {  // checked by check_scalars
+  if (precision == "fp8") return cosa::ProxyPrecision::kE4M3;
+  return precision == "auto" ? cosa::ProxyPrecision::kAuto : cosa::ProxyPrecision::kNative;
+}
+
 // What the kernels and their plain-data view (cosa_params.h) need beyond the contract.
 void check_cuda_limits(const OpArgs& a, const Sizes& s) {
   const char* op = a.op;
@@ -537,6 +542,18 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
                        element_span(*tensor), " elements, more than the CUDA KAP limit of ",
                        kKapMaxSpanElements, " (2^32 16-byte units)");
     }
+    // The fp8 proxy's copy of the keys holds every sequence at the longest one's length, one byte an
+    // element, and is addressed by the same 32-bit offsets in 16-byte units.
+    const bool fp8_proxy =
+        a.proxy_precision && cosa::resolve_proxy_precision(proxy_precision_of(*a.proxy_precision),
+                                                           static_cast<int>(*a.max_seqlen_k)) ==
+                                 cosa::ProxyPrecision::kE4M3;
+    const int64_t key_copy_bytes =
+        s.batch * ceil_div(*a.max_seqlen_k, kBlock) * kBlock * s.num_heads_kv * s.head_dim;
+    COSA_CHECK_VALUE(!fp8_proxy || key_copy_bytes <= (int64_t{16} << 32), op,
+                     "the fp8 proxy's copy of the keys (batch x max_seqlen_k rounded up to 128 x num_heads_kv x "
+                     "head_dim = ", key_copy_bytes, " bytes) exceeds the CUDA KAP limit of 2^36 bytes: call with "
+                     "fewer sequences, or proxy_precision='native'");
   }
   check_rows_aligned(op, "q", a.q);
   check_rows_aligned(op, "k_cache", a.k_cache);
@@ -689,11 +706,6 @@ void finish_device_checks(const OpArgs& a, const Sizes& s, const PendingDeviceCh
 
 void check_launch(const char* op, const char* kernel, cudaError_t error) {
   TORCH_CHECK(error == cudaSuccess, message("cosa.", op, ": the ", kernel, " launch failed: ", cudaGetErrorString(error)));
-}
-
-cosa::ProxyPrecision proxy_precision_of(c10::string_view precision) {  // checked by check_scalars
-  if (precision == "fp8") return cosa::ProxyPrecision::kE4M3;
-  return precision == "auto" ? cosa::ProxyPrecision::kAuto : cosa::ProxyPrecision::kNative;
 }
 
 std::tuple<at::Tensor, at::Tensor> launch_kap(const char* op, const cosa::PagedLayout& layout, const at::Tensor& q,

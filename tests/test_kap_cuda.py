@@ -365,6 +365,19 @@ def test_fp8_nan_poisons_its_block(ops):
     assert kept_set_iou(order, counts, ref_order, ref_counts) >= 0.99
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_fp8_infinite_key_poisons_its_block(ops, value):
+    """An infinite key makes its block's amax infinite: the whole block NaN, as in the reference (x * 448
+    / inf is 0, times the infinite scale NaN). Taken as 0 times an infinite scale, its proxy maxima were
+    NaN, and every later query block's list kept every candidate."""
+    p = problem([640], [640], hq=4, hkv=2, page_size=64, structure="mixed", seed=13)
+    page = int(p["page_table"][0, 300 // 64])
+    p["k_cache"][page, 300 % 64, 1, 5] = value
+    order, counts = kap(ops, p, 8, proxy_precision="fp8")
+    ref_order, ref_counts = R.kap(*kap_layout_args(p), stride=8, proxy_precision="fp8")
+    assert kept_set_iou(order, counts, ref_order, ref_counts) >= 0.99
+
+
 # A key-range CTA folds 128 sampled keys, 1024 tokens (kap_quantize_kernel.cuh): the 4- and 34-block
 # prefixes give sequence 0 two and five CTAs per KV head, whose ranges the atomics merge.
 @pytest.mark.parametrize("d,page_size,hkv,prefix_blocks",

@@ -288,7 +288,10 @@ __device__ __forceinline__ void quantize_block(const KapDeviceArgs& args, bool q
   nan = __syncthreads_or(nan);
 #pragma unroll
   for (int w = 0; w < kQuantizeThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
-  if (nan) amax = __int_as_float(0x7fc00000);
+  // An infinite amax is a NaN block too, as in the reference: x * (448 / inf) rounds to 0, and 0 times
+  // the block's scale (inf) is NaN; taken as 0 times an infinite scale, the block's proxy maxima
+  // were NaN where the reference's are -inf, and every list kept every candidate.
+  if (nan || isinf(amax)) amax = __int_as_float(0x7fc00000);
   const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kE4M3Max);
   const float inverse = amax == 0.f ? 1.f : __fdiv_rn(kE4M3Max, amax);
   if (tid == 0) *scale_out = scale;
