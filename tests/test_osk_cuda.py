@@ -203,6 +203,53 @@ def test_rows_whose_maximum_jumps_in_a_later_block(ops, d, dt):
         assert_matches_reference(p, got, order, counts, delta, check_skips=False)
 
 
+def set_key(p, token, key):
+    """Key `token` of sequence 0 (every KV head) in the paged cache."""
+    page_size = p["k_cache"].shape[1]
+    page = int(p["page_table"][0, token // page_size])
+    p["k_cache"][page, token % page_size] = key.to(p["k_cache"].dtype).to(p["k_cache"].device)
+
+
+@pytest.mark.parametrize("d,dt", [(128, torch.bfloat16), (64, torch.float16)])
+def test_a_whole_block_just_below_the_overflow_bound(ops, d, dt):
+    """Without the skip: block 0's logits are 0, every logit of block 1 about 86.6 nats (2^124.9 in
+    the exponent). Each exponential taken against the running max is finite, but a thread's sum of
+    32 of them is not; the kernel must compute S again rather than rebase an infinite sum (which
+    gave out = 0 and lse = +inf)."""
+    p = problem([128], [384], 2, 1, d, 64, dt, seed=11)
+    direction = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(11)).float() * 2 - 1
+    p["q"][:] = direction.to(dt).cuda()
+    for token in range(256):
+        set_key(p, token, direction * (0.0 if token < 128 else 86.5 / math.sqrt(d)))
+    order, counts = dense_order(p)
+    got = osk(ops, p, order, counts, 0.0)
+    assert_matches_reference(p, got, order, counts, 0.0, check_skips=False)
+
+
+@pytest.mark.xfail(strict=True, reason="past the kernels' range (spec section 6): the running max's exponent, "
+                   "3.7e9, rounds by 124, and the exponentials overflow")
+def test_a_running_max_whose_exponent_rounds_past_the_overflow_bound(ops):
+    """fp16 logits of 2.9e10 (q 16384, key 13888 along one direction, d 128): the running max's
+    exponent, 3.7e9, rounds to a multiple of 512 with an error of 124, the largest column's exponent
+    above it, with no block maximum above the running max. A row that needs S again must take the
+    path that releases its K stage after the recomputation: with the test of the overflow bound in
+    the row's headroom test the kernel hung (the block of the second planted key, then the producer
+    waiting for that stage two blocks later). The kernel returns; its rows are NaN where the
+    reference's are finite, which spec section 6 puts past the kernels' range (strict: a kernel that
+    gets them right fails here, and the mark goes)."""
+    d, dt = 128, torch.float16
+    p = problem([128], [640], 2, 1, d, 64, dt, seed=12)
+    direction = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(12)).float() * 2 - 1
+    p["q"][:] = (16384.0 * direction).to(dt).cuda()
+    for token in range(640):
+        set_key(p, token, direction * (13888.0 if token in (5, 135) else 0.0))
+    order, counts = dense_order(p)
+    out, lse, _ = osk(ops, p, order, counts, 0.0)
+    ref_out, ref_lse, _ = run_osk(p, order, counts, delta=0.0)
+    assert worst_row_error(out, ref_out) < 3e-2  # the mean of the two planted keys' values
+    assert float(((lse - ref_lse) / ref_lse).abs().max()) < 1e-6  # lse is 2.6e9: one float32 ulp is 256
+
+
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[6]], ids=shape_id)
 def test_order_invariance_without_skip(ops, shape):
     lq, lk, hq, hkv, d, ps, dt = shape

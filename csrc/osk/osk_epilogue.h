@@ -28,11 +28,12 @@ struct OskEpilogue {
     softmax.finalize_sums(sum);
     float inv_sum[2];
     float lse[2];
+    bool empty[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      const bool empty = sum[rh] == 0.f;  // NaN (a NaN logit) must reach lse, not read as empty
-      inv_sum[rh] = empty ? 0.f : 1.f / sum[rh];
-      lse[rh] = empty ? -INFINITY : softmax.max[rh] * layout.softmax_scale + logf(sum[rh]);
+      empty[rh] = sum[rh] == 0.f;  // NaN (a NaN logit) must reach lse, not read as empty
+      inv_sum[rh] = empty[rh] ? 0.f : 1.f / sum[rh];
+      lse[rh] = empty[rh] ? -INFINITY : softmax.max[rh] * layout.softmax_scale + logf(sum[rh]);
     }
 
     // Each warpgroup stages its 64 rows of O, normalised and rounded, in its own 64 rows of the Q
@@ -46,8 +47,9 @@ struct OskEpilogue {
       CUTE_UNROLL
       for (int n = 0; n < Traits::kHeadDim / 8; ++n) {
         cutlass::Array<Element, 2> pair;
-        pair[0] = Element(tOrO(4 * n + 2 * rh) * inv_sum[rh]);
-        pair[1] = Element(tOrO(4 * n + 2 * rh + 1) * inv_sum[rh]);
+        // An empty row is 0 even where O is NaN (P = 0 times a non-finite V).
+        pair[0] = Element(empty[rh] ? 0.f : tOrO(4 * n + 2 * rh) * inv_sum[rh]);
+        pair[1] = Element(empty[rh] ? 0.f : tOrO(4 * n + 2 * rh + 1) * inv_sum[rh]);
         *reinterpret_cast<cutlass::Array<Element, 2>*>(
             staged + Traits::swizzled_offset(row, n) + 2 * (lane % 4)) = pair;
       }

@@ -479,16 +479,21 @@ struct OskMainloop {
         bool may_overflow = false;
         CUTE_UNROLL
         for (int rh = 0; rh < 2; ++rh) {
+          // +inf for a row whose running max is still -inf: it took its exponentials against 0,
+          // where they may have underflowed, and needs S again too (only -inf logits leave a
+          // computed block's rows at -inf).
           const float above = softmax.exponent_above_max(thread_maxima[rh], rh, kp.scale_log2);
-          // Also true for a row's first live key (its running max is -inf).
-          beyond_headroom |= thread_maxima[rh] > softmax.max[rh] + headroom_raw;
           may_overflow |= above > OnlineSoftmax::kOverflowLog2;
+          beyond_headroom |= thread_maxima[rh] > softmax.max[rh] + headroom_raw;
         }
         // Warp-wide, so that the branches below are uniform.
         const bool recompute = __any_sync(0xffffffffu, may_overflow);
         if (lane == 0 && !recompute) { MBarrier::arrive(&storage.k_empty[stage]); }
         finish_pv();
-        if (__any_sync(0xffffffffu, beyond_headroom)) {
+        // A row that needs S again takes the exact step, which releases the K stage after the
+        // recomputation: `above` is the rounding error of the running max's exponent where that
+        // max reaches 2^31 / sigma', and can pass the overflow bound with no block max above m.
+        if (recompute || __any_sync(0xffffffffu, beyond_headroom)) {
           if (recompute) {
             recompute_scores(tSrS, storage.q, storage.k + stage * Traits::kTileElems, warp, lane);
             __syncwarp();

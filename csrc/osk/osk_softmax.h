@@ -55,8 +55,10 @@ struct OnlineSoftmax {
   // so that P <= 2^8 (the same relative precision in bf16 and fp16, and no overflow of the sums).
   static constexpr float kHeadroomLog2 = 8.f;
   // Past this exponent above the running max the exponentials taken before the block's maximum
-  // was known may have overflowed (exp2(128) is inf in fp32): such a row needs S again.
-  static constexpr float kOverflowLog2 = 126.f;
+  // was known, or their sums, may have overflowed: such a row needs S again. A thread adds 32 of a
+  // row's exponentials (block_sums) before rebase() scales them down, and 32 * 2^122 = 2^127 is the
+  // largest such sum below fp32's inf (2^128).
+  static constexpr float kOverflowLog2 = 122.f;
 
   // The max each row's exponentials and sums are taken against: the running max, or, after
   // exp_against_max(), up to kHeadroomLog2 powers of two below it. The epilogue's LSE is
@@ -170,9 +172,10 @@ struct OnlineSoftmax {
   }
 
   // After exp_against_max(): each row's exponent above its running max at this thread's largest
-  // column (-inf where the thread's columns are all masked).
+  // column: -inf where the thread's columns are all masked, +inf where they are not and the row has
+  // no live key yet (its running max is -inf; NaN where both are -inf, which compares false).
   __device__ float exponent_above_max(float thread_max, int rh, float scale_log2) const {
-    return thread_max * scale_log2 - reference_exponent(max[rh], scale_log2);
+    return thread_max * scale_log2 - max[rh] * scale_log2;
   }
 
   // After exp_against_max(), for rows whose block maximum may exceed the running max: moves each
