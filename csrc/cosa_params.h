@@ -150,9 +150,26 @@ struct OskParams {
   int32_t* skipped = nullptr;
 };
 
+// KAP scores its proxy rows in tiles of 128 rows of one sequence, one scoring CTA row per tile along
+// the grid's z dimension, which CUDA caps at 65535.
+constexpr int kKapScoreTileRows = 128;
+constexpr int64_t kKapMaxScoreTiles = 65535;
+
+// The scoring tiles KAP launches, from shapes alone: an upper bound of sum_b ceil(ceil(Lq_b / s) /
+// 128), the smaller of the longest sequence's count times the batch and the bound from total_q.
+inline int64_t kap_score_tiles_bound(int64_t batch, int64_t max_seqlen_q, int64_t total_q, int stride) {
+  const int64_t rows_max = (max_seqlen_q + stride - 1) / stride;
+  const int64_t by_max = batch * ((rows_max + kKapScoreTileRows - 1) / kKapScoreTileRows);
+  const int64_t rows_total_bound = (total_q + batch * (stride - 1)) / stride;
+  const int64_t by_total = (rows_total_bound + batch * (kKapScoreTileRows - 1)) / kKapScoreTileRows;
+  return by_max < by_total ? by_max : by_total;
+}
+
 // The plain-data checks of run_kap and run_osk (see valid_layout).
 inline bool valid_kap_params(const KapParams& p) {
   return valid_layout(p.layout) && (p.stride == 4 || p.stride == 8 || p.stride == 16) &&
+         kap_score_tiles_bound(p.layout.batch, p.layout.max_seqlen_q, p.layout.total_q, p.stride) <=
+             kKapMaxScoreTiles &&
          p.top_p >= 0.f && p.top_p <= 1.f &&  // 0: a top_p below float32's range
          (p.precision == ProxyPrecision::kNative || p.precision == ProxyPrecision::kE4M3 ||
           p.precision == ProxyPrecision::kAuto) &&

@@ -536,6 +536,11 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
     COSA_CHECK_VALUE(*a.stride == 4 || *a.stride == 8 || *a.stride == 16, op,
                      "stride must be 4, 8 or 16 on CUDA, got ", *a.stride,
                      " (the reference, cosa.reference.kap, accepts any divisor of ", kBlock, ")");
+    const int64_t score_tiles =
+        cosa::kap_score_tiles_bound(s.batch, *a.max_seqlen_q, s.total_q, static_cast<int>(*a.stride));
+    COSA_CHECK_VALUE(score_tiles <= cosa::kKapMaxScoreTiles, op, "the batch of ", s.batch,
+                     " sequences (cu_seqlens_q) needs ", score_tiles, " KAP scoring tiles of 128 rows at stride ",
+                     *a.stride, ", more than CUDA's 65535 (a grid dimension): call with fewer sequences");
     for (const auto& [name, tensor] : {std::pair<const char*, const at::Tensor*>{"q", &a.q},
                                        std::pair<const char*, const at::Tensor*>{"k_cache", &a.k_cache}}) {
       COSA_CHECK_VALUE(element_span(*tensor) <= kKapMaxSpanElements, op, name, " spans ",

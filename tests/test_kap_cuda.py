@@ -479,3 +479,25 @@ def test_explicit_softmax_scale(ops):
     order, counts = kap(ops, p, 8, softmax_scale=scale)
     ref_order, ref_counts = R.kap(*kap_layout_args(p), stride=8, softmax_scale=scale)
     assert torch.equal(order, ref_order) and torch.equal(counts, ref_counts)
+
+
+def one_token_sequences(n):
+    """`n` sequences of one query and one key each (d 64, one KV head, a 16-token page each)."""
+    cuda = {"device": "cuda"}
+    return {"q": torch.randn(n, 1, 64, dtype=torch.bfloat16, **cuda),
+            "k_cache": torch.randn(n, 16, 1, 64, dtype=torch.bfloat16, **cuda),
+            "page_table": torch.arange(n, dtype=torch.int32, **cuda)[:, None],
+            "cu_seqlens_q": torch.arange(n + 1, dtype=torch.int32, **cuda),
+            "seqused_k": torch.ones(n, dtype=torch.int32, **cuda),
+            "max_seqlen_q": 1, "max_seqlen_k": 1}
+
+
+def test_the_scoring_grid_bound_is_an_argument_error(ops):
+    """KAP launches one scoring tile per sequence at least, along a grid dimension that CUDA caps at
+    65535: 65535 sequences run (each list holds its one causal block), 65536 are refused naming the
+    batch, where the launch failed with an invalid configuration."""
+    order, counts = kap(ops, one_token_sequences(65535), 8)
+    assert bool((counts == 1).all()) and bool((order[:, :, 0] == 0).all())
+    with pytest.raises(ValueError, match=r"cosa\.kap: the batch of 65536 sequences \(cu_seqlens_q\) needs 65536 KAP "
+                                         r"scoring tiles of 128 rows at stride 8, more than CUDA's 65535"):
+        kap(ops, one_token_sequences(65536), 8)

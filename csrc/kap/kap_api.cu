@@ -234,7 +234,9 @@ cudaError_t run_kap(const KapParams& given, cudaStream_t stream) {
     args.q_scale = reinterpret_cast<float*>(base + ws.q_scale_offset);
     args.k_scale = reinterpret_cast<float*>(base + ws.k_scale_offset);
   }
-  args.num_tiles = kap::score_tiles_bound(layout, params.stride);
+  // At most kKapMaxScoreTiles (valid_kap_params).
+  args.num_tiles = static_cast<int>(
+      kap_score_tiles_bound(layout.batch, layout.max_seqlen_q, layout.total_q, params.stride));
   int device = 0, num_sms = 132;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);

@@ -54,7 +54,7 @@ struct ScoreOperandMaps {
 
 // Scoring tile: kTileRows stride rows (Qs rows) x kTileCols stride columns (Ks rows), reduced over
 // the s * d long antidiagonal vectors one 128-byte row at a time (64 16-bit or 128 e4m3 elements).
-constexpr int kTileRows = 128;  // two consumer warpgroups of 64 rows
+constexpr int kTileRows = kKapScoreTileRows;  // two consumer warpgroups of 64 rows
 constexpr int kTileRowBytes = 128;  // one 128-byte-swizzled row of a K slice
 constexpr int kScoreThreads = 256;
 constexpr int kTileABytes = kTileRows * kTileRowBytes;
@@ -96,17 +96,6 @@ constexpr int kSelectThreads = 256;
 
 // The bm buffer of one head chunk: [heads, num_q_blocks * (128 / s), max_k_blocks] fp32.
 constexpr size_t kMaxBlockMaxBytes = size_t(512) << 20;
-
-// Upper bound of the number of scoring tiles (128 stride rows of one sequence each), from shapes
-// alone: sum_b ceil(ceil(Lq_b / s) / 128).
-inline int score_tiles_bound(const PagedLayout& layout, int stride) {
-  const int64_t batch = layout.batch;
-  const int64_t rows_max = (layout.max_seqlen_q + stride - 1) / stride;
-  const int64_t by_max = batch * ((rows_max + kTileRows - 1) / kTileRows);
-  const int64_t rows_total_bound = (layout.total_q + batch * (stride - 1)) / stride;
-  const int64_t by_total = (rows_total_bound + batch * (kTileRows - 1)) / kTileRows;
-  return static_cast<int>(by_max < by_total ? by_max : by_total);
-}
 
 struct WorkspaceLayout {
   size_t q_block_start_offset = 0;  // int32 [batch + 1]: first packed query block of sequence b
