@@ -47,11 +47,13 @@ extension=(cosa/_C*.so)
 shopt -u nullglob
 
 # The stamp's time is the start of the build that wrote it: an input edited during that build is
-# newer than the stamp, so the next run builds again.
+# newer than the stamp, so the next run builds again. Bytecode caches are not inputs (the build
+# itself imports third_party/cutlass_headers.py, which writes one after the stamp's time).
 build_is_current() {
   ((${#extension[@]})) && [[ -f $STAMP ]] &&
     [[ "$(grep -v '^cosa setup: ' "$STAMP")" == "$settings" ]] &&
-    [[ -z "$(find csrc setup.py CMakeLists.txt pyproject.toml cosa/defaults.py third_party -newer "$STAMP" -print -quit)" ]]
+    [[ -z "$(find csrc setup.py CMakeLists.txt pyproject.toml cosa/defaults.py third_party \
+               -name __pycache__ -prune -o -newer "$STAMP" -print -quit)" ]]
 }
 
 if build_is_current; then
