@@ -150,6 +150,16 @@ struct OskParams {
   int32_t* skipped = nullptr;
 };
 
+// The strides the CUDA KAP is built for (the reference takes any divisor of 128).
+inline bool valid_kap_stride(int64_t stride) { return stride == 4 || stride == 8 || stride == 16; }
+
+// The fp8 proxy's copy of the keys holds every sequence at the longest one's length, one byte an
+// element, and the scoring kernels address it by 32-bit offsets in 16-byte units: at most 2^36 bytes.
+constexpr int64_t kKapMaxFp8KeyCopyBytes = int64_t{16} << 32;
+inline int64_t kap_fp8_key_copy_bytes(int64_t batch, int64_t max_seqlen_k, int64_t num_heads_kv, int64_t head_dim) {
+  return batch * ((max_seqlen_k + 127) / 128 * 128) * num_heads_kv * head_dim;
+}
+
 // KAP scores its proxy rows in tiles of 128 rows of one sequence, one scoring CTA row per tile along
 // the grid's z dimension, which CUDA caps at 65535.
 constexpr int kKapScoreTileRows = 128;
@@ -167,7 +177,7 @@ inline int64_t kap_score_tiles_bound(int64_t batch, int64_t max_seqlen_q, int64_
 
 // The plain-data checks of run_kap and run_osk (see valid_layout).
 inline bool valid_kap_params(const KapParams& p) {
-  return valid_layout(p.layout) && (p.stride == 4 || p.stride == 8 || p.stride == 16) &&
+  return valid_layout(p.layout) && valid_kap_stride(p.stride) &&
          kap_score_tiles_bound(p.layout.batch, p.layout.max_seqlen_q, p.layout.total_q, p.stride) <=
              kKapMaxScoreTiles &&
          p.top_p >= 0.f && p.top_p <= 1.f &&  // 0: a top_p below float32's range

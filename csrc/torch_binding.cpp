@@ -533,7 +533,7 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
     COSA_CHECK_VALUE(*a.max_seqlen_k <= kKapMaxSeqlenK, op, "max_seqlen_k = ", *a.max_seqlen_k,
                      " exceeds the CUDA KAP limit of ", kKapMaxSeqlenK,
                      " tokens (16384 key blocks, each list sorted in shared memory)");
-    COSA_CHECK_VALUE(*a.stride == 4 || *a.stride == 8 || *a.stride == 16, op,
+    COSA_CHECK_VALUE(cosa::valid_kap_stride(*a.stride), op,
                      "stride must be 4, 8 or 16 on CUDA, got ", *a.stride,
                      " (the reference, cosa.reference.kap, accepts any divisor of ", kBlock, ")");
     const int64_t score_tiles =
@@ -547,15 +547,13 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
                        element_span(*tensor), " elements, more than the CUDA KAP limit of ",
                        kKapMaxSpanElements, " (2^32 16-byte units)");
     }
-    // The fp8 proxy's copy of the keys holds every sequence at the longest one's length, one byte an
-    // element, and is addressed by the same 32-bit offsets in 16-byte units.
     const bool fp8_proxy =
         a.proxy_precision && cosa::resolve_proxy_precision(proxy_precision_of(*a.proxy_precision),
                                                            static_cast<int>(*a.max_seqlen_k)) ==
                                  cosa::ProxyPrecision::kE4M3;
     const int64_t key_copy_bytes =
-        s.batch * ceil_div(*a.max_seqlen_k, kBlock) * kBlock * s.num_heads_kv * s.head_dim;
-    COSA_CHECK_VALUE(!fp8_proxy || key_copy_bytes <= (int64_t{16} << 32), op,
+        cosa::kap_fp8_key_copy_bytes(s.batch, *a.max_seqlen_k, s.num_heads_kv, s.head_dim);
+    COSA_CHECK_VALUE(!fp8_proxy || key_copy_bytes <= cosa::kKapMaxFp8KeyCopyBytes, op,
                      "the fp8 proxy's copy of the keys (batch x max_seqlen_k rounded up to 128 x num_heads_kv x "
                      "head_dim = ", key_copy_bytes, " bytes) exceeds the CUDA KAP limit of 2^36 bytes: call with "
                      "fewer sequences, or proxy_precision='native'");
