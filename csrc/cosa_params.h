@@ -1,6 +1,7 @@
-// Torch-free parameter structs (composition, no inheritance, so that a C mirror of them is
-// straightforward) shared by the torch binding (csrc/torch_binding.cpp) and
-// the CUDA kernels. Everything is plain data: raw pointers, element strides, sizes.
+// Torch-free parameter structs shared by the torch binding (csrc/torch_binding.cpp) and the CUDA
+// kernels. Everything is plain data: raw pointers, element strides, sizes (composition, no
+// inheritance: cosa_c_api.h mirrors them for C callers, and c_api.cpp checks every field of the
+// mirror against these).
 // Semantics: docs/spec.md (the contract that every implementation of the ops agrees on).
 #pragma once
 
@@ -70,11 +71,12 @@ inline bool valid_page_size(int64_t page_size) {
   return page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
 }
 
-// Rows the kernels read in 16-byte chunks: a 16-byte aligned base and strides that are multiples
-// of 8 elements (2-byte elements, head_dim contiguous).
+// Rows the kernels read in 16-byte chunks: a 16-byte aligned base and strides that are non-negative
+// multiples of 8 elements (2-byte elements, head_dim contiguous; a tensor's strides are never negative,
+// and the TMA descriptors take none).
 inline bool rows_aligned(const void* base, int64_t stride_a, int64_t stride_b, int64_t stride_c = 0) {
-  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && stride_a % 8 == 0 && stride_b % 8 == 0 &&
-         stride_c % 8 == 0;
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && stride_a >= 0 && stride_b >= 0 && stride_c >= 0 &&
+         stride_a % 8 == 0 && stride_b % 8 == 0 && stride_c % 8 == 0;
 }
 
 // What run_kap and run_osk check of a layout's plain data before any launch (cudaErrorInvalidValue
@@ -86,7 +88,7 @@ inline bool valid_layout(const PagedLayout& l) {
          l.num_heads_q % l.num_heads_kv == 0 && (l.head_dim == 64 || l.head_dim == 128) &&
          valid_page_size(l.page_size) && (l.dtype == DType::kBFloat16 || l.dtype == DType::kFloat16) &&
          l.softmax_scale > 0.f && std::isfinite(l.softmax_scale) && l.total_q >= 0 && l.num_q_blocks >= 0 &&
-         l.max_k_blocks >= 0 && l.max_seqlen_q >= 0 && l.max_seqlen_k >= 0 &&
+         l.max_k_blocks >= 0 && l.max_seqlen_q >= 0 && l.max_seqlen_k >= 0 && l.page_table_stride >= 0 &&
          rows_aligned(l.q, l.q_row_stride, l.q_head_stride) &&
          rows_aligned(l.k_cache, l.k_page_stride, l.k_row_stride, l.k_head_stride);
 }
@@ -153,6 +155,25 @@ struct OskParams {
 // The strides the CUDA KAP is built for (the reference takes any divisor of 128).
 inline bool valid_kap_stride(int64_t stride) { return stride == 4 || stride == 8 || stride == 16; }
 
+// KAP sorts each list in shared memory (kap/kap_select_kernel.cuh): at most this many key blocks.
+constexpr int64_t kKapMaxKeyBlocks = 16384;
+
+// KAP's scoring kernels hold row starts as 32-bit offsets in 16-byte units: q and the key cache
+// each span at most 2^32 such units (2^35 two-byte elements).
+constexpr int64_t kKapMaxSpanElements = (int64_t{1} << 32) * 8;
+
+// Elements from the first to the last element of q, and of the key cache, plus one (0 when empty):
+// what the binding computes from the tensors' sizes and strides, here from the layout's.
+inline int64_t q_span_elements(const PagedLayout& l) {
+  if (l.total_q <= 0 || l.num_heads_q <= 0) return 0;
+  return (int64_t{l.total_q} - 1) * l.q_row_stride + (int64_t{l.num_heads_q} - 1) * l.q_head_stride + l.head_dim;
+}
+inline int64_t k_cache_span_elements(const PagedLayout& l) {
+  if (l.num_pages <= 0 || l.page_size <= 0 || l.num_heads_kv <= 0) return 0;
+  return (int64_t{l.num_pages} - 1) * l.k_page_stride + (int64_t{l.page_size} - 1) * l.k_row_stride +
+         (int64_t{l.num_heads_kv} - 1) * l.k_head_stride + l.head_dim;
+}
+
 // The fp8 proxy's copy of the keys holds every sequence at the longest one's length, one byte an
 // element, and the scoring kernels address it by 32-bit offsets in 16-byte units: at most 2^36 bytes.
 constexpr int64_t kKapMaxFp8KeyCopyBytes = int64_t{16} << 32;
@@ -175,14 +196,26 @@ inline int64_t kap_score_tiles_bound(int64_t batch, int64_t max_seqlen_q, int64_
   return by_max < by_total ? by_max : by_total;
 }
 
-// The plain-data checks of run_kap and run_osk (see valid_layout).
+// The plain-data checks of run_kap and run_osk (see valid_layout). KAP's also hold its size limits,
+// past which its 32-bit offsets would wrap (wrong lists, no error): the binding refuses the same
+// sizes with messages (check_cuda_limits in csrc/torch_binding.cpp).
 inline bool valid_kap_params(const KapParams& p) {
-  return valid_layout(p.layout) && valid_kap_stride(p.stride) &&
-         kap_score_tiles_bound(p.layout.batch, p.layout.max_seqlen_q, p.layout.total_q, p.stride) <=
-             kKapMaxScoreTiles &&
+  const PagedLayout& l = p.layout;
+  if (!valid_layout(l) || !valid_kap_stride(p.stride) ||
+      !(p.precision == ProxyPrecision::kNative || p.precision == ProxyPrecision::kE4M3 ||
+        p.precision == ProxyPrecision::kAuto)) {
+    return false;
+  }
+  const bool fp8_proxy = resolve_proxy_precision(p.precision, l.max_seqlen_k) == ProxyPrecision::kE4M3;
+  return kap_score_tiles_bound(l.batch, l.max_seqlen_q, l.total_q, p.stride) <= kKapMaxScoreTiles &&
+         // Each list has room for every candidate block of the longest key sequence.
+         int64_t{l.max_k_blocks} * kBlockSize >= l.max_seqlen_k && l.max_k_blocks <= kKapMaxKeyBlocks &&
+         q_span_elements(l) <= kKapMaxSpanElements && k_cache_span_elements(l) <= kKapMaxSpanElements &&
+         // The copy's rows per sequence are the lists' length in keys (the binding's max_seqlen_k
+         // rounded up to 128).
+         (!fp8_proxy || kap_fp8_key_copy_bytes(l.batch, int64_t{l.max_k_blocks} * kBlockSize, l.num_heads_kv,
+                                               l.head_dim) <= kKapMaxFp8KeyCopyBytes) &&
          p.top_p >= 0.f && p.top_p <= 1.f &&  // 0: a top_p below float32's range
-         (p.precision == ProxyPrecision::kNative || p.precision == ProxyPrecision::kE4M3 ||
-          p.precision == ProxyPrecision::kAuto) &&
          p.order != nullptr && p.counts != nullptr;
 }
 

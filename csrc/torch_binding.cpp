@@ -508,12 +508,8 @@ void check_rows_aligned(const char* op, const char* name, const at::Tensor& t) {
 
 constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 
-// KAP sorts each list in shared memory (csrc/kap/kap_select_kernel.cuh): 16384 key blocks at most.
-constexpr int64_t kKapMaxSeqlenK = 16384 * kBlock;
-// KAP's scoring kernel holds row starts as 32-bit offsets in 16-byte units (kap_score_kernel.cuh).
-constexpr int64_t kKapMaxSpanElements = (int64_t{1} << 32) * 8;
-
-// Elements from a tensor's first to its last element, plus one.
+// Elements from a tensor's first to its last element, plus one (cosa::q_span_elements and
+// cosa::k_cache_span_elements, which run_kap checks, are the same from the layout's sizes and strides).
 int64_t element_span(const at::Tensor& t) {
   int64_t span = 1;
   for (int64_t dim = 0; dim < t.dim(); ++dim) span += (t.size(dim) - 1) * t.stride(dim);
@@ -530,6 +526,7 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
   const char* op = a.op;
   COSA_CHECK_VALUE(a.q.is_cuda(), op, "q must be a CUDA tensor, got one on ", a.q.device());
   if (a.stride) {
+    constexpr int64_t kKapMaxSeqlenK = cosa::kKapMaxKeyBlocks * kBlock;
     COSA_CHECK_VALUE(*a.max_seqlen_k <= kKapMaxSeqlenK, op, "max_seqlen_k = ", *a.max_seqlen_k,
                      " exceeds the CUDA KAP limit of ", kKapMaxSeqlenK,
                      " tokens (16384 key blocks, each list sorted in shared memory)");
@@ -543,9 +540,9 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
                      *a.stride, ", more than CUDA's 65535 (a grid dimension): call with fewer sequences");
     for (const auto& [name, tensor] : {std::pair<const char*, const at::Tensor*>{"q", &a.q},
                                        std::pair<const char*, const at::Tensor*>{"k_cache", &a.k_cache}}) {
-      COSA_CHECK_VALUE(element_span(*tensor) <= kKapMaxSpanElements, op, name, " spans ",
+      COSA_CHECK_VALUE(element_span(*tensor) <= cosa::kKapMaxSpanElements, op, name, " spans ",
                        element_span(*tensor), " elements, more than the CUDA KAP limit of ",
-                       kKapMaxSpanElements, " (2^32 16-byte units)");
+                       cosa::kKapMaxSpanElements, " (2^32 16-byte units)");
     }
     const bool fp8_proxy =
         a.proxy_precision && cosa::resolve_proxy_precision(proxy_precision_of(*a.proxy_precision),
