@@ -174,8 +174,9 @@ def route(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, min_prefill_tok
 
 
 class RoutingCounts:
-    """Requests and query tokens per reason, summed over the steps of this process (one count per
-    request and step, not per layer)."""
+    """Requests and query tokens per reason, summed over the steps of this process: one count per
+    request, step and metadata build (not per layer), so once per KV-cache group where a model has
+    several (docs/vllm.md)."""
 
     def __init__(self):
         self._lock = threading.Lock()
