@@ -12,20 +12,26 @@ Rows (bench/README.md says what each one means and how the derived numbers are d
                                                      (delta 1e-30): the skip machinery's cost
   osk    skipcost-full / -first / -skip-<v>          the cost of an in-kernel skipped block
   osk    causal+skip-<v>                             every causal block, ascending, delta 2000, structured input
+  kap    default                                     KAP as the vLLM backend runs it: cosa.kap's defaults, device
+                                                     checks off; with FA4, its share of FA4 dense in paired rounds
   kap    stride-<s>[-fp8][-unchecked|-graph]         the whole proxy (scores, sort, top-p, lists); -fp8: e4m3 proxy
   cosa   prefill-<v>[-unchecked]                     KAP + OSK with skip, structured input
 (<v>: the vote scope of the skip, tile or warpgroup; -unchecked: with cosa.set_device_checks(False),
 i.e. without the ops' checks of index-tensor contents and their one host synchronisation per call;
 -graph: replayed from a CUDA graph, so without any host work: the GPU time of the kernels alone.
 The stride-<s>[-fp8] rows also hold stages_ms: each KAP kernel's time per call under torch.profiler;
-at the default stride the row of the default proxy holds frac_of_fa4_paired, its time over FA4
-dense's in interleaved rounds on the same inputs, when FA4 runs.)
+the kap/default row holds frac_of_fa4_paired, its time over FA4 dense's in interleaved rounds on the
+same inputs, when FA4 runs.)
+Every row carries "heads": "<Hq>/<Hkv>". --heads runs the sections once per head configuration (the
+query and KV heads of one layer, or of one tensor-parallel rank's share of it; --heads all: the
+configurations of HEAD_CONFIGS); each row's speed-ups are against the anchors of its own configuration.
 The osk/kap/cosa rows appear only when torch.ops.cosa has CUDA kernels; the fa4 and flash-* rows
 only where FlashAttention-4 (the flash-attn-4 package) is installed and runs. Every attention row
 is checked in the same run against a float32 reference restricted to the same block lists.
 
     python bench/kernel.py [--n 8192 32768 65536 131072] [--budgets 0.25 0.5 0.75 1.0]
                            [--strides 4 8 16] [--only dense,flex,osk,kap,cosa] [--page-size 128]
+                           [--heads 32/8 12/2 ... | all]
                            [--quick] [--plot] [--out bench/results]
 
 --page-size sets the KV cache's page size of the CoSA rows (a power of two in [16, 256]; vLLM's
@@ -34,6 +40,7 @@ default block size is 16); the dense and FlexAttention peers read contiguous ten
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
 import sys
@@ -57,6 +64,10 @@ DEVICE = "cuda"
 SECTIONS = ("dense", "flex", "osk", "kap", "cosa")
 DEFAULT_N = (8192, 32768, 65536, 131072)
 QUICK_N = (2048, 4096)
+# Head configurations of --heads all: whole layers (Qwen2.5-Coder-1.5B 12/2, 7B 28/4, Llama-3-8B 32/8,
+# Llama-3-70B 64/8) and one tensor-parallel rank's share of them (12/2 over 2 and 4 ranks: 6/1, 3/1 with
+# the KV head replicated; 32/8 over 2, 4, 8: 16/4, 8/2, 4/1).
+HEAD_CONFIGS = ((12, 2), (28, 4), (32, 8), (64, 8), (6, 1), (3, 1), (4, 1), (8, 2), (16, 4))
 SKIP_DELTA = 2000.0  # the paper's Qwen3-8B operating point, CoSA's default
 # The skip on, yet no block skipped: tau = ln(delta / N) is about -79 at 32K, far below any gap
 # between a block's row maximum and the running maximum on these inputs. Rows at this delta time
@@ -67,7 +78,7 @@ VOTES = ("tile", "warpgroup")  # who decides a skip together: all 128 rows of a 
 # about 5 for the best random key, a margin far past |tau| = ln(N / delta) <= 4.2 at N <= 128K,
 # so every block after block 0 is skipped.
 DOMINANT_AMPLITUDE = 16.0
-TABLE_COLUMNS = ("kind", "impl", "n", "budget", "realised", "delta", "vote", "ms", "tflops", "x_cudnn",
+TABLE_COLUMNS = ("kind", "impl", "n", "heads", "budget", "realised", "delta", "vote", "ms", "tflops", "x_cudnn",
                  "x_fa4", "frac_of_cudnn", "frac_of_fa4", "rel_err", "note")
 FA4_COLUMNS = ("x_fa4", "frac_of_fa4")  # in the table only when the run has an fa4 row
 
@@ -79,6 +90,25 @@ FA4_COLUMNS = ("x_fa4", "frac_of_fa4")  # in the table only when the run has an 
 
 # Interleaved rounds of the paired KAP / FA4 share (Bench.kap_share_of_fa4).
 PAIRED_ROUNDS = 7
+
+
+def heads_label() -> str:
+    """The head configuration being run, as rows record it: ``"<Hq>/<Hkv>"``."""
+    return f"{CONFIG['hq']}/{CONFIG['hkv']}"
+
+
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    """``--heads``: ``"12/2"`` -> ``[(12, 2)]``; ``"all"`` -> HEAD_CONFIGS."""
+    if text == "all":
+        return list(HEAD_CONFIGS)
+    try:
+        hq, hkv = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a head configuration is <query heads>/<KV heads> or all, got {text!r}") \
+            from None
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"query heads must be a positive multiple of the KV heads, got {text!r}")
+    return [(hq, hkv)]
 
 
 def causal_lists(nq: int, hq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,11 +477,11 @@ class Bench:
         progress(f"{peer}: rows left out ({self.peer_reasons[peer]})")
 
     def add(self, kind, impl, n, ms, flops=None, budget=None, delta=None, rel_err=None, **extra):
-        row = {"kind": kind, "impl": impl, "n": n, "budget": budget, "delta": delta, "ms": ms,
-               "tflops": (flops / (ms * 1e-3) / 1e12) if flops is not None else None,
+        row = {"kind": kind, "impl": impl, "n": n, "heads": heads_label(), "budget": budget, "delta": delta,
+               "ms": ms, "tflops": (flops / (ms * 1e-3) / 1e12) if flops is not None else None,
                "rel_err": rel_err, **extra}
         self.rows.append(row)
-        parts = [f"{kind}/{impl} n={n}", f"{ms:.3f} ms"]
+        parts = [f"{kind}/{impl} n={n} heads {row['heads']}", f"{ms:.3f} ms"]
         if row["tflops"] is not None:
             parts.append(f"{row['tflops']:.0f} TFLOP/s")
         if rel_err is not None:
@@ -723,6 +753,7 @@ class Bench:
         with cosa.reference.kap at the same precision (fraction of (head, query block) rows that match)."""
         n, sets = ctx["n"], ctx["sets"]
         first = sets.first
+        self.guarded(f"kap default at {n}", self.kap_default_row, ctx)
         for stride in self.args.strides:
             for precision in ("native", "fp8"):
                 run = lambda s: torch.ops.cosa.kap(s.q, s.k_cache, s.page_table, s.cu_seqlens_q,  # noqa: E731
@@ -745,17 +776,28 @@ class Bench:
                              note=note + ("" if checks else ", device checks off"))
                 self.guarded(f"{name} stages at {n}", record_kap_stages, self.rows[-2], lambda: run(sets.take()),
                              f"{name} at {n}:")
-                default_precision = self.cosa.reference.resolved_proxy_precision(
-                    self.cosa.defaults.PROXY_PRECISION, n)
-                if stride == self.cosa.defaults.STRIDE and precision == default_precision:
-                    self.guarded(f"{name} share of fa4 at {n}", self.kap_share_of_fa4, ctx, run, self.rows[-2])
                 replay = graph_of(lambda: run(first))
                 self.add("kap", f"{name}-graph", n, time_ms(replay), budget=budget, list_match=match,
                          note=note + ", CUDA graph replay (no host work, no checks), one input set")
 
+    def kap_default_row(self, ctx):
+        """``kap/default``: cosa.kap at its defaults (stride, top_p, the proxy precision "auto" resolves
+        to at this length) with the device checks off, as the vLLM backend calls it; with FA4, its share
+        of FA4 dense in paired rounds (kap_share_of_fa4)."""
+        n, sets = ctx["n"], ctx["sets"]
+        run = lambda s: self.cosa.kap(s.q, s.k_cache, s.page_table, s.cu_seqlens_q, s.seqused_k, n, n)  # noqa: E731
+        proxy = self.cosa.reference.resolved_proxy_precision(self.cosa.defaults.PROXY_PRECISION, n)
+        with self.cosa.set_device_checks(False):
+            _, counts = run(sets.first)
+            ms = time_ms(lambda: run(sets.take()))
+        row = self.add("kap", "default", n, ms, budget=int(counts.sum()) / causal_blocks(ctx["nq"], CONFIG["hq"]),
+                       note=f"stride {self.cosa.defaults.STRIDE}, top_p {self.cosa.defaults.TOP_P}, proxy {proxy}, "
+                            "device checks off")
+        self.kap_share_of_fa4(ctx, run, row)
+
     def kap_share_of_fa4(self, ctx, run_kap, row: dict):
-        """KAP's share of FA4 dense, the number its target is stated in, from KAP on the default path
-        (device checks on) and FA4 timed in PAIRED_ROUNDS interleaved rounds on the same inputs
+        """KAP's share of FA4 dense, the number its target is stated in, from KAP as the backend runs it
+        (device checks off) and FA4 timed in PAIRED_ROUNDS interleaved rounds on the same inputs
         (common.interleaved_ms): the median of the per-round ratios and its quartiles go into
         ``row`` (``frac_of_fa4_paired``, ``frac_of_fa4_paired_quartiles``). Rows timed one after
         another differ by a few percent from run to run, as much as the margins this share is read
@@ -766,7 +808,7 @@ class Bench:
         fa4_run = lambda s: fa4_dense(self.fa4, s.q, s.k, s.v)  # noqa: E731
         if self.peer_first_call("fa4", fa4_run, sets.first) is None:
             return
-        with self.cosa.set_device_checks(True):
+        with self.cosa.set_device_checks(False):
             times = interleaved_ms({"kap": lambda: run_kap(sets.take()), "fa4": lambda: fa4_run(sets.take())},
                                    rounds=PAIRED_ROUNDS)
         share = paired_ratio(times["kap"], times["fa4"])
@@ -785,13 +827,13 @@ class Bench:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Per row, each dense anchor's time at the same N over the row's: ``x_cudnn`` (SDPA cuDNN) and
+    """Per row, each dense anchor's time at the same N and heads over the row's: ``x_cudnn`` (SDPA cuDNN) and
     ``x_fa4`` (FlashAttention-4), above 1 when the row is faster; kap rows also get their share of
     the anchor's time (``frac_of_cudnn``, ``frac_of_fa4``). None where the anchor has no row at N."""
     for anchor, speedup, share in (("sdpa-cudnn", "x_cudnn", "frac_of_cudnn"), ("fa4", "x_fa4", "frac_of_fa4")):
-        base = {r["n"]: r["ms"] for r in rows if r["kind"] == "dense" and r["impl"] == anchor}
+        base = {(r["n"], r.get("heads")): r["ms"] for r in rows if r["kind"] == "dense" and r["impl"] == anchor}
         for r in rows:
-            anchor_ms = base.get(r["n"])
+            anchor_ms = base.get((r["n"], r.get("heads")))
             r[speedup] = anchor_ms / r["ms"] if anchor_ms else None
             if r["kind"] == "kap":
                 r[share] = r["ms"] / anchor_ms if anchor_ms else None
@@ -818,9 +860,11 @@ def plot(rows, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     series: dict[str, list[tuple[int, float, float | None]]] = {}
+    several_heads = len({r.get("heads") for r in rows}) > 1
     for r in rows:
         if not r["impl"].startswith("skipcost") and "-skipon-" not in r["impl"]:
-            series.setdefault(f"{r['kind']}/{r['impl']}", []).append((r["n"], r["ms"], r.get("x_cudnn")))
+            label = f"{r['kind']}/{r['impl']}" + (f" {r['heads']}" if several_heads else "")
+            series.setdefault(label, []).append((r["n"], r["ms"], r.get("x_cudnn")))
     colors = plt.get_cmap("tab20").colors
     fig, (ax_time, ax_speed) = plt.subplots(1, 2, figsize=(14, 6))
     for i, (label, points) in enumerate(sorted(series.items())):
@@ -837,7 +881,8 @@ def plot(rows, path: Path) -> bool:
         ax.grid(True, which="both", alpha=0.3)
     ax_time.set_yscale("log")
     ax_time.set_ylabel("median time (ms)")
-    ax_time.set_title("one attention layer, B=1, Hq=32, Hkv=8, d=128, bf16, causal")
+    heads = "heads as labelled" if several_heads else f"Hq={rows[0]['heads'].replace('/', ', Hkv=')}"
+    ax_time.set_title(f"one attention layer, B=1, {heads}, d=128, bf16, causal")
     ax_time.legend(fontsize=7, ncol=2)
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
     ax_speed.set_ylabel("cuDNN time / time (above 1: faster than cuDNN)")
@@ -858,6 +903,9 @@ def parse_args(argv=None):
                    help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
     p.add_argument("--page-size", type=int, default=CONFIG["page_size"],
                    help=f"page size of the paged KV cache the CoSA rows read (default {CONFIG['page_size']})")
+    p.add_argument("--heads", type=parse_heads, nargs="+", default=None,
+                   help=f"head configurations <Hq>/<Hkv> to run every section on (default {CONFIG['hq']}/"
+                        f"{CONFIG['hkv']}; all: {' '.join(f'{q}/{k}' for q, k in HEAD_CONFIGS)})")
     p.add_argument("--plot", action="store_true", help="also save a PNG of time vs N next to the JSON")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"), help="folder for the JSON")
     args = p.parse_args(argv)
@@ -867,6 +915,7 @@ def parse_args(argv=None):
         p.error(f"--only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if args.n is None:
         args.n = list(QUICK_N if args.quick else DEFAULT_N)
+    args.heads = list(dict.fromkeys(h for group in (args.heads or [[(CONFIG["hq"], CONFIG["hkv"])]]) for h in group))
     if any(n <= 0 or n % BLOCK for n in args.n):
         p.error("--n: every context length must be a positive multiple of 128")
     if any(not 0 < b <= 1 for b in args.budgets):
@@ -880,9 +929,10 @@ def parse_args(argv=None):
 
 def load_peers(sections):
     """``(flash_attn_func or None, {peer: None while it runs, else why its rows are left out})`` for
-    the optional FA4 peers of the sections run: FA4 dense (dense) and FlexAttention's FLASH backend
-    (flex), which runs FA4's kernel and so needs the same package. One stderr line per absent peer."""
-    fa4, why = load_fa4() if set(sections) & {"dense", "flex"} else (None, None)
+    the optional FA4 peers of the sections run: FA4 dense (dense, and kap for KAP's share of it) and
+    FlexAttention's FLASH backend (flex), which runs FA4's kernel and so needs the same package. One
+    stderr line per absent peer."""
+    fa4, why = load_fa4() if set(sections) & {"dense", "flex", "kap"} else (None, None)
     reasons = {"fa4": why, "flex-flash": why}
     for peer, section in (("fa4", "dense"), ("flex-flash", "flex")):
         if section in sections and why is not None:
@@ -903,9 +953,13 @@ def main(argv=None) -> int:
         progress(f"cosa::{op}: " + ("CUDA kernel found" if why is None else f"rows left out ({why})"))
     fa4, peer_reasons = load_peers(args.only)
     bench = Bench(args, meta, cosa_mod, reasons, json_path, fa4, peer_reasons)
-    for n in args.n:
-        bench.guarded(f"n={n}", bench.run_size, n)
-        bench.finish()
+    CONFIG["heads"] = [f"{hq}/{hkv}" for hq, hkv in args.heads]
+    for hq, hkv in args.heads:
+        CONFIG["hq"], CONFIG["hkv"] = hq, hkv
+        for n in args.n:
+            bench.guarded(f"n={n} heads {hq}/{hkv}", bench.run_size, n)
+            bench.finish()
+    CONFIG["hq"], CONFIG["hkv"] = args.heads[0]
     if args.plot and bench.rows:
         png = json_path.with_suffix(".png")
         progress(f"plot -> {png}" if plot(bench.rows, png) else "no plot: matplotlib is not installed")

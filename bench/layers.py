@@ -53,11 +53,20 @@ Each row has the median time, the stage-1 and realised budgets (cosa.prefill's s
 dense rows; the stage-1 budget of its lists for kap) and the error against a float32 dense reference
 on 8 query blocks spread over the prompt, every head: ``rel_err`` = ||out - ref|| / ||ref|| over
 those rows, ``max_row_err`` the largest of the same ratio for one (query, head) row. ``x_cudnn`` and
-``x_fa4``: the dense kernel's time on the layer over the row's (above 1: faster). The ops run with
-their device checks on, as a default call does.
+``x_fa4``: the dense kernel's time on the layer over the row's (above 1: faster); the summary's
+``x_fa4_tw`` is the time-weighted one (FA4's summed time over the row's). The ``cosa`` row also says what
+its budgets allow (``add_ideal``): ``kap_share``, KAP's time at the defaults' proxy over the dense
+kernel's, and ``ideal_ms``, the dense kernel's time scaled to the blocks CoSA computes (plus 0.4 of each
+block it skips, the cost of its logits) plus KAP's time; ``x_ideal`` is the speed-up that would give,
+``of_ideal`` how much of it the measured time realises. The ops run with their device checks on, as a
+default call does.
+
+Past the model's positions (``--n`` above its ``max_position_embeddings``) the capture runs with YaRN
+rope scaling, factor 4 unless ``--yarn-factor`` says otherwise, as Qwen2.5 documents it and as
+``bench/vllm_e2e.py --long-lengths`` runs vLLM; ``config.yarn_factor`` records it, ``config.n`` the length.
 
     python bench/layers.py --model DIR|FILE.gguf --haystack DIR [--n 32768] [--layers 2,8,14,20,27]
-                           [--lists-only] [--device auto|cuda|cpu] [--seed 0] [--plot] [--out bench/results]
+                           [--yarn-factor F] [--lists-only] [--device auto|cuda|cpu] [--seed 0] [--plot] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -88,10 +97,16 @@ from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
 COSA_VARIANTS = {"cosa": {}, "cosa-noskip": {"delta": 0.0}, "cosa-tile": {"vote": "tile"},
                  "cosa-native": {"proxy_precision": "native"}, "cosa-fp8": {"proxy_precision": "fp8"}}
 CHECKED_BLOCKS = 8
+DEFAULT_YARN_FACTOR = 4.0  # Qwen2.5's documented factor for prompts past its 32K positions
+# What a skipped block costs at the least, as a share of a computed one: the skip needs the block's
+# logits, S = Q K^T, half of a block's tensor work (of which the vote decides, so a little less).
+SKIPPED_BLOCK_FLOOR = 0.4
 TABLE_COLUMNS = ("layer", "n", "impl", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
-                 "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_gain", "skip_tax", "skip_cost")
-SUMMARY_COLUMNS = ("impl", "layers", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
-                   "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_gain", "skip_tax", "skip_cost")
+                 "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_gain", "skip_tax", "skip_cost",
+                 "kap_share", "ideal_ms", "x_ideal", "of_ideal")
+SUMMARY_COLUMNS = ("impl", "layers", "ms", "x_cudnn", "x_fa4", "x_fa4_tw", "stage1_budget", "realised_budget",
+                   "rel_err", "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_gain", "skip_tax",
+                   "skip_cost", "kap_share", "ideal_ms", "x_ideal", "of_ideal")
 LISTS_COLUMNS = ("layer", "n", "impl", "stage1_budget", "iou_vs_native", "mass_native", "mass_fp8")
 PRECISION_IMPLS = {"native": "kap", "fp8": "kap-fp8"}
 OSK_IMPLS = {"native": "osk", "fp8": "osk-fp8"}
@@ -120,14 +135,32 @@ def attention_scales(model) -> dict[int, float]:
             if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
 
 
-def capture_layers(model_path: str, haystack: str, n: int, layers: list[int] | None, seed: int, device: str):
-    """``({layer: (q, k, v, scale)}, facts)``: one forward pass of the model over ``n`` tokens of the
-    haystack's text, q ``[n, Hq, d]`` and k, v ``[n, Hkv, d]`` on ``device``. The model is released
-    on return."""
+def model_positions(model_path: str) -> int:
+    """The positions the model was trained for (``max_position_embeddings`` of its configuration)."""
+    from transformers import AutoConfig
+
+    p = Path(model_path)
+    extra = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
+    return int(AutoConfig.from_pretrained(str(p.parent if extra else p), **extra).max_position_embeddings)
+
+
+def resolve_yarn_factor(requested: float | None, n: int, positions: int) -> float | None:
+    """``--yarn-factor``: as given (0 turns YaRN off), else DEFAULT_YARN_FACTOR when the prompt has more
+    tokens than the model has positions (as vLLM is run past them), else None."""
+    if requested is not None:
+        return requested or None
+    return DEFAULT_YARN_FACTOR if n > positions else None
+
+
+def capture_layers(model_path: str, haystack: str, n: int, layers: list[int] | None, seed: int, device: str,
+                   yarn_factor: float | None = None):
+    """``({layer: (q, k, v, scale)}, facts)``: one forward pass of the model (YaRN rope scaling by
+    ``yarn_factor`` when given) over ``n`` tokens of the haystack's text, q ``[n, Hq, d]`` and k, v
+    ``[n, Hkv, d]`` on ``device``. The model is released on return."""
     from accuracy import haystack_token_ids, load_model
     from fidelity import capture_qkv
 
-    model, tokenizer, name = load_model(model_path, device, torch.bfloat16)
+    model, tokenizer, name = load_model(model_path, device, torch.bfloat16, yarn_factor)
     num_layers = model.config.num_hidden_layers
     layers = layers or default_layers(num_layers)
     if layers[-1] >= num_layers:
@@ -142,7 +175,7 @@ def capture_layers(model_path: str, haystack: str, n: int, layers: list[int] | N
     scales = attention_scales(model)
     q, k, _ = captured[layers[0]]
     facts = {"model": name, "num_layers": num_layers, "layers": layers, "hq": q.shape[1], "hkv": k.shape[1],
-             "d": q.shape[2]}
+             "d": q.shape[2], "yarn_factor": yarn_factor}
     return {layer: (*captured[layer], scales.get(layer)) for layer in layers}, facts
 
 
@@ -394,16 +427,42 @@ def add_speedups(rows: list[dict]) -> None:
             r[f"x_{anchor}"] = base[r["layer"]] / r["ms"] if r["layer"] in base else None
 
 
+def add_ideal(rows: list[dict], kap_impl: str) -> None:
+    """On each ``cosa`` row, what its budgets allow beside what it took, from the same layer's rows:
+    ``kap_share`` (the time of KAP at the defaults' proxy, the ``kap_impl`` row, over the dense anchor's:
+    FA4, else cuDNN) and ``ideal_ms``, the anchor's time scaled to the blocks CoSA computes plus
+    SKIPPED_BLOCK_FLOOR of each block it skips, plus KAP's time: attention at the dense kernel's speed
+    per block on CoSA's budgets. ``x_ideal`` is the anchor's time over the ideal one, ``of_ideal`` the
+    ideal time over the measured one (1: the budgets' whole gain realised)."""
+    for layer in {r["layer"] for r in rows}:
+        mine = {r["impl"]: r for r in rows if r["layer"] == layer}
+        anchor = mine.get("fa4") or mine.get("cudnn")
+        cosa, kap = mine.get("cosa"), mine.get(kap_impl)
+        if anchor is None or cosa is None or kap is None:
+            continue
+        computed, listed = cosa["realised_budget"], cosa["stage1_budget"]
+        ideal = anchor["ms"] * (computed + SKIPPED_BLOCK_FLOOR * (listed - computed)) + kap["ms"]
+        cosa.update(kap_share=kap["ms"] / anchor["ms"], ideal_ms=ideal, x_ideal=anchor["ms"] / ideal,
+                    of_ideal=ideal / cosa["ms"])
+
+
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per implementation over the layers: the mean of each column, the largest ``max_row_err``."""
+    """Per implementation over the layers: the mean of each column, the largest ``max_row_err``, and
+    ``x_fa4_tw``/``x_cudnn_tw``, the time-weighted speed-ups (the anchor's summed time over the row's
+    summed time, on the layers that have both)."""
     summary = []
     for impl in dict.fromkeys(r["impl"] for r in rows):
         mine = [r for r in rows if r["impl"] == impl]
         entry = {"impl": impl, "layers": len(mine)}
-        for key in SUMMARY_COLUMNS[2:]:
+        for key in (k for k in SUMMARY_COLUMNS[2:] if not k.endswith("_tw")):
             values = [r[key] for r in mine if r.get(key) is not None]
             pick = max if key == "max_row_err" else (lambda vs: sum(vs) / len(vs))
             entry[key] = pick(values) if values else None
+        for anchor in ("fa4", "cudnn"):
+            base = {r["layer"]: r["ms"] for r in rows if r["impl"] == anchor}
+            paired = [r for r in mine if r["layer"] in base]
+            entry[f"x_{anchor}_tw"] = (sum(base[r["layer"]] for r in paired) / sum(r["ms"] for r in paired)
+                                       if paired else None)
         summary.append(entry)
     return summary
 
@@ -510,6 +569,9 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=32768, help="prompt length in tokens, a multiple of 128")
     p.add_argument("--layers", type=layer_list, default=None,
                    help="comma-separated layer indices (default five spread over the depth: 2,8,14,20,27 of 28)")
+    p.add_argument("--yarn-factor", type=float, default=None,
+                   help=f"YaRN rope scaling factor (default: {DEFAULT_YARN_FACTOR:g} when --n exceeds the model's "
+                        "positions, as vLLM runs such prompts; 0: never)")
     p.add_argument("--seed", type=int, default=0, help="where in the text the prompt starts, and the page order")
     p.add_argument("--lists-only", action="store_true",
                    help="time nothing: per layer only KAP's native and fp8 lists and how they agree (any device)")
@@ -523,6 +585,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.n <= 0 or args.n % BLOCK:
         p.error("--n must be a positive multiple of 128")
+    if args.yarn_factor is not None and args.yarn_factor != 0 and not args.yarn_factor > 1:
+        p.error(f"--yarn-factor must be greater than 1 (or 0: no YaRN), got {args.yarn_factor:g}")
     if args.save_ab_inputs and not args.lists_only:
         p.error("--save-ab-inputs needs --lists-only")
     if args.device == "cpu" and not args.lists_only:
@@ -544,7 +608,8 @@ def lists_main(args) -> int:
               "the reference", file=sys.stderr)
         return 2
     meta, json_path = start_run(args.out, "layers")
-    captured, facts = capture_layers(args.model, args.haystack, args.n, args.layers, args.seed, device)
+    captured, facts = capture_layers(args.model, args.haystack, args.n, args.layers, args.seed, device,
+                                     resolve_yarn_factor(args.yarn_factor, args.n, model_positions(args.model)))
     config = {**facts, "n": args.n, "dtype": "bfloat16", "haystack": Path(args.haystack).name, "seed": args.seed,
               "lists_only": True, "device": device, "cosa_defaults": prefill_defaults(cosa)}
     rows: list[dict] = []
@@ -595,7 +660,8 @@ def main(argv=None) -> int:
     fa4, why = load_fa4()
     if why is not None:
         progress(f"fa4: rows left out ({why})")
-    captured, facts = capture_layers(args.model, args.haystack, args.n, args.layers, args.seed, "cuda")
+    captured, facts = capture_layers(args.model, args.haystack, args.n, args.layers, args.seed, "cuda",
+                                     resolve_yarn_factor(args.yarn_factor, args.n, model_positions(args.model)))
     gc.collect()
     torch.cuda.empty_cache()
     config = {**facts, "n": args.n, "dtype": "bfloat16", "haystack": Path(args.haystack).name, "seed": args.seed,
@@ -603,10 +669,13 @@ def main(argv=None) -> int:
     run = LayerRun(cosa, fa4, args.seed)
     if why is not None:
         run.peers_left_out["fa4"] = why
+    default_kap = PRECISION_IMPLS[cosa.reference.resolved_proxy_precision(config["cosa_defaults"]["proxy_precision"],
+                                                                          args.n)]
     for layer in facts["layers"]:
         progress(f"layer {layer}")
         run.layer(layer, *captured.pop(layer))
         add_speedups(run.rows)
+        add_ideal(run.rows, default_kap)
         write_json(json_path, results(meta, config, run))
     if args.plot and run.rows:
         png = json_path.with_suffix(".png")

@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, save_figure,  # noqa: E402
-                    start_run, write_json)
+from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, results_path,  # noqa: E402
+                    save_figure, start_run, write_json)
+import ttft_account  # noqa: E402
 
 IMPLS = {"flash_attn": "FLASH_ATTN", "cosa": "CUSTOM"}
 SHORT_PROMPTS = (
@@ -55,6 +56,7 @@ SHORT_PROMPTS = (
 SHORT_NEW_TOKENS = 48
 NEEDLE_NEW_TOKENS = 32
 NEEDLE_SAMPLES = 4
+ACCOUNT_SPAN = "cosa_bench_ttft"  # the profiled request's host-side span in the trace
 
 
 def worker(args) -> int:
@@ -129,6 +131,9 @@ def worker(args) -> int:
         times = [ttft(n, seed=101 + rep) for rep in range(args.reps)]
         result["ttft"].append({"n": n, "ttft_ms": statistics.median(times), "all_ms": times,
                                "routing_before": before, "routing_after": counts()})
+        if args.account:
+            progress(f"{args.worker}: time to first token at {n} under torch.profiler (the account)")
+            result["ttft"][-1]["account"] = profiled_account(lambda: ttft(n, seed=101), num_layers(args.model))
     if not long_phase and args.batch:
         progress(f"{args.worker}: a batch of {args.batch} mixed-length prompts")
         if routing:
@@ -146,6 +151,23 @@ def worker(args) -> int:
     return 0
 
 
+def profiled_account(request, layers: int) -> dict:
+    """One request under torch.profiler, its span annotated, split into parts (bench/ttft_account.py)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(ACCOUNT_SPAN):
+            request()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return ttft_account.account(json.loads(path.read_text()), ACCOUNT_SPAN, layers)
+
+
+def num_layers(model: str) -> int:
+    return int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
+
+
 def yarn_positions(args) -> int:
     """The positions the model has with YaRN: its own times --yarn-factor."""
     config = json.loads((Path(args.model) / "config.json").read_text())
@@ -161,6 +183,8 @@ def run_worker(args, impl: str, phase: str) -> dict | str:
            "--long-lengths", *map(str, args.long_lengths), "--reps", str(args.reps), "--batch", str(args.batch),
            "--min-prefill-tokens", str(args.min_prefill_tokens), "--yarn-factor", str(args.yarn_factor),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.account:
+        cmd.append("--account")
     if args.haystack:
         cmd += ["--haystack", args.haystack]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -223,6 +247,16 @@ def compare(results: dict) -> tuple[list[dict], list[str]]:
     return rows, failures
 
 
+def account_rows(results: dict) -> list[dict]:
+    """The ``account`` rows (bench/ttft_account.py) of every engine that profiled a request."""
+    rows = []
+    for (impl, phase), res in results.items():
+        if isinstance(res, dict):
+            rows += [{**ttft_account.account_row(impl, t["n"], t["ttft_ms"], t["account"]), "phase": phase}
+                     for t in res["ttft"] if "account" in t]
+    return rows
+
+
 def plot(rows, path, model: str) -> bool:
     import matplotlib
     matplotlib.use("Agg")
@@ -254,6 +288,9 @@ def parse_args(argv=None):
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--haystack", default=None, help="folder of .txt essays for the prompts (default: synthetic filler)")
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--account", action="store_true",
+                    help="after the timed prompts of each length, one more under torch.profiler, split into "
+                         "measured parts (attention kernels, copies, the model's other kernels, idle GPU time)")
     ap.add_argument("--log-dir", default=None, help="keep each engine's log here")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
@@ -316,6 +353,16 @@ def main(argv=None) -> int:
         plot(rows, json_path.with_suffix(".png"), Path(args.model).name)
     print(format_table(rows, ["kind", "impl", "phase", "n", "ttft_ms", "x_flash_attn", "score", "score_flash",
                               "answers_match", "cosa_tokens"]))
+    accounts = account_rows(results)
+    if accounts:
+        account_path = results_path(args.out, "ttft-account", meta)
+        write_json(account_path, {**meta, "model": Path(args.model).name, "rows": accounts})
+        progress(f"account -> {account_path}")
+        print()
+        print(format_table(ttft_account.account_table(accounts),
+                           ["part", *(f"{r['backend']} {r['n']}" for r in accounts)]))
+        failures += [f"account of {r['backend']} at {r['n']}: its parts sum to {r['closure']:.3f}x the measured "
+                     "time to first token (more than 5% off)" for r in accounts if abs(r["closure"] - 1) > 0.05]
     return finish_report(json_path, failures)
 
 

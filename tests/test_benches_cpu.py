@@ -819,12 +819,23 @@ def test_capture_is_what_the_attention_kernel_receives(family):
 
 def test_layers_capture_from_a_model_folder(tiny_model_dir, haystack_dir):
     captured, facts = layers.capture_layers(str(tiny_model_dir), str(haystack_dir), 256, None, 0, "cpu")
-    assert facts == {"model": tiny_model_dir.name, "num_layers": 2, "layers": [1], "hq": 2, "hkv": 1, "d": 64}
+    assert facts == {"model": tiny_model_dir.name, "num_layers": 2, "layers": [1], "hq": 2, "hkv": 1, "d": 64,
+                     "yarn_factor": None}
     q, k, v, scale = captured[1]
     assert q.shape == (256, 2, 64) and k.shape == v.shape == (256, 1, 64) and q.dtype == torch.bfloat16
     assert scale == pytest.approx(64 ** -0.5)
     with pytest.raises(ValueError, match="2 layers"):
         layers.capture_layers(str(tiny_model_dir), str(haystack_dir), 256, [0, 2], 0, "cpu")
+
+
+def test_capture_with_yarn_changes_the_rotated_queries_only(tiny_model_dir, haystack_dir):
+    plain, _ = layers.capture_layers(str(tiny_model_dir), str(haystack_dir), 256, [0], 0, "cpu")
+    yarn, facts = layers.capture_layers(str(tiny_model_dir), str(haystack_dir), 256, [0], 0, "cpu", yarn_factor=4.0)
+    assert facts["yarn_factor"] == 4.0
+    q0, k0, v0, _ = plain[0]
+    q1, k1, v1, _ = yarn[0]
+    assert torch.equal(v0, v1)  # the first layer's values carry no rotary embedding
+    assert not torch.allclose(q0.float(), q1.float())
 
 
 def test_layers_checked_rows_and_errors():
