@@ -125,9 +125,10 @@ DENSE_BUDGETS = {"stage1": 1.0, "realised": 1.0}
 # ---------------------------------------------------------------------------------------------
 
 
-def load_model(path: str, device: str, dtype: torch.dtype):
+def load_model(path: str, device: str, dtype: torch.dtype, config_overrides: dict | None = None):
     """``(model, tokenizer, name)`` from a model directory or a ``.gguf`` file (dequantised by
-    transformers; needs the ``gguf`` package). SDPA attention, eval mode, on ``device``."""
+    transformers; needs the ``gguf`` package). SDPA attention, eval mode, on ``device``.
+    ``config_overrides``: attributes of the model's config to replace (YaRN's rope parameters)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -136,7 +137,8 @@ def load_model(path: str, device: str, dtype: torch.dtype):
     where = str(p.parent if extra else p)
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     tokenizer = AutoTokenizer.from_pretrained(where, **extra)
-    model = AutoModelForCausalLM.from_pretrained(where, attn_implementation="sdpa", **{dtype_key: dtype}, **extra)
+    model = AutoModelForCausalLM.from_pretrained(where, attn_implementation="sdpa", **{dtype_key: dtype}, **extra,
+                                                 **(config_overrides or {}))
     model = model.to(device).eval()
     return model, tokenizer, p.stem if extra else p.name
 
