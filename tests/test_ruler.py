@@ -270,3 +270,56 @@ def test_routing_counts_add_up_over_batches():
     ruler.add_routing(cell, {"tokens": {"cosa": 100}}, {"tokens": {"cosa": 300, "decode": 5}, "requests": {"cosa": 2}})
     ruler.add_routing(cell, {"tokens": {"cosa": 300}}, {"tokens": {"cosa": 350}})
     assert cell["routing"] == {"requests": {"cosa": 2}, "tokens": {"cosa": 250, "decode": 5}}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama with random weights and a byte-level tokenizer built here (no download)."""
+    torch = pytest.importorskip("torch")
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={chr(i): i - 32 for i in range(32, 127)} | {"<s>": 95,
+                                                                                                        "\n": 96},
+                                                     merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
+    folder = tmp_path_factory.mktemp("tiny-llama-ruler")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<s>").save_pretrained(folder)
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=97, max_position_embeddings=1024, bos_token_id=95,
+                         eos_token_id=95)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_transformers_path_reads_budgets_and_runs_the_peers(tiny_llama, data_dir, tmp_path):
+    """CoSA's budgets at a native and a YaRN length, and a peer matched to CoSA's realised budget."""
+    args = ruler.parse_args(["--model", str(tiny_llama), "--ruler-data", str(data_dir), "--lengths", "1024",
+                             "--long-lengths", "2048", "--tasks", "niah_single_1", "--budget-samples", "1",
+                             "--peers", "xattention", "--peer-lengths", "1024", "--peer-tasks", "niah_single_1",
+                             "--peer-samples", "1", "--min-prefill-tokens", "512", "--out", str(tmp_path)])
+    results = ruler.open_results(args)
+    ruler.run_transformers(args, results, "cpu")
+    state = json.loads(results.path.read_text())
+    assert sorted((b["n"], b["task"]) for b in state["budgets"]) == [(1024, "niah_single_1"), (2048, "niah_single_1")]
+    assert all(0 < b["realised"] <= b["stage1"] <= 1 for b in state["budgets"])
+    assert sorted(r["impl"] for r in state["answers"]) == ["cosa-hf", "dense-hf", "xattention"]
+    peer = next(r for r in state["answers"] if r["impl"] == "xattention")
+    assert 0 < peer["stage1"] <= 1 and len({r["prompt"] for r in state["answers"]}) == 1
+    rows, averages, _ = ruler.aggregate(state, 0.2, 100, 0)
+    assert {r["impl"]: r["path"] for r in rows} == {"dense-hf": "transformers", "cosa-hf": "transformers",
+                                                   "xattention": "transformers"}
+    ruler.run_transformers(args, results, "cpu")  # nothing left: no new rows
+    assert len(json.loads(results.path.read_text())["answers"]) == 3
+
+
+def test_yarn_overrides_reach_the_transformers_model(tiny_llama):
+    torch = pytest.importorskip("torch")
+    import accuracy
+
+    rope, positions = ruler.yarn_rope_parameters(str(tiny_llama), 4.0)
+    model, _, _ = accuracy.load_model(str(tiny_llama), "cpu", torch.bfloat16,
+                                      {"rope_parameters": rope, "max_position_embeddings": positions})
+    assert model.config.rope_parameters["rope_type"] == "yarn" and model.config.rope_parameters["factor"] == 4.0
+    assert model.config.max_position_embeddings == 4096
