@@ -94,8 +94,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (add_run_arguments, argument_parser, bootstrap_interval, format_table,  # noqa: E402
-                    paired_difference, progress, resolve_device, run_metadata, save_figure, start_run, write_json)
+from common import (add_run_arguments, argument_parser, format_table, progress, resolve_device,  # noqa: E402
+                    run_metadata, save_figure, start_run, write_json)
+from stats import bootstrap_interval, interval_text, paired_difference  # noqa: E402
+from stats import score_statistics as scores_with_intervals  # noqa: E402
 
 import cosa  # noqa: E402
 import proxies  # noqa: E402
@@ -144,13 +146,19 @@ def load_model(path: str, device: str, dtype: torch.dtype, yarn_factor: float | 
     return model, tokenizer, p.stem if extra else p.name
 
 
+def yarn_rope_parameters(config: dict, factor: float) -> dict:
+    """YaRN's rope parameters by ``factor`` over the positions and rope theta of a model configuration
+    (``config.json`` as a dict), as Qwen2.5 documents them: what vLLM takes as ``hf_overrides``'
+    ``rope_parameters`` and transformers as the configuration's."""
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return {"rope_type": "yarn", "factor": float(factor), "rope_theta": theta,
+            "original_max_position_embeddings": config.get("max_position_embeddings", 32768)}
+
+
 def yarn_config(config, factor: float):
-    """``config`` with YaRN rope scaling by ``factor`` over its own positions (transformers 5 keeps
-    the rotary settings in ``rope_parameters``, 4.x in ``rope_scaling``)."""
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    yarn = {"rope_type": "yarn", "factor": float(factor), "rope_theta": theta,
-            "original_max_position_embeddings": config.max_position_embeddings}
+    """A transformers configuration with YaRN rope scaling by ``factor`` over its own positions
+    (transformers 5 keeps the rotary settings in ``rope_parameters``, 4.x in ``rope_scaling``)."""
+    yarn = yarn_rope_parameters(config.to_dict(), factor)
     if hasattr(config, "rope_parameters"):
         config.rope_parameters = yarn
     else:
@@ -817,18 +825,8 @@ def prompt_of(row: dict) -> tuple:
 def score_statistics(rows: list[dict], dense: dict, resamples: int, seed: int) -> dict:
     """Mean score of ``rows`` with its bootstrap interval, and the paired difference from the dense
     scores of the same prompts (``dense[prompt_of(row)]``; no difference for dense itself)."""
-    out = {"score": None, "ci_low": None, "ci_high": None, "samples": len(rows), "diff": None,
-           "diff_ci_low": None, "diff_ci_high": None, "diff_excludes_zero": None}
-    if not rows:
-        return out
-    scores = [r["score"] for r in rows]
-    out["score"] = sum(scores) / len(scores)
-    out["ci_low"], out["ci_high"] = bootstrap_interval(scores, resamples, seed)
     pairs = [(r["score"], dense[prompt_of(r)]) for r in rows if r["method"] != "dense" and prompt_of(r) in dense]
-    if pairs:
-        diff, low, high = paired_difference(*zip(*pairs, strict=True), resamples=resamples, seed=seed)
-        out.update(diff=diff, diff_ci_low=low, diff_ci_high=high, diff_excludes_zero=low > 0 or high < 0)
-    return out
+    return scores_with_intervals([r["score"] for r in rows], pairs, resamples, seed)
 
 
 def perplexity_statistics(rows: list[dict], dense: dict, resamples: int, seed: int) -> dict:
@@ -890,16 +888,6 @@ def config_of(args) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
-
-
-def interval_text(row: dict, field: str, low: str = "ci_low", high: str = "ci_high", mark: str | None = None,
-                  digits: int = 3) -> str | None:
-    """``value [low, high]`` of a result row (None when the row has no value), ``*`` appended when
-    the row's ``mark`` flag is set."""
-    if row.get(field) is None:
-        return None
-    text = f"{row[field]:.{digits}f} [{row[low]:.{digits}f}, {row[high]:.{digits}f}]"
-    return text + ("*" if mark and row.get(mark) else "")
 
 
 def table_rows(rows: list[dict]) -> list[dict]:

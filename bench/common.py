@@ -1,6 +1,6 @@
-"""Helpers shared by the benchmarks: run metadata, timing, progress lines, tables, JSON.
-Bootstrap intervals of means, plain and paired (the statistics of bench/accuracy.py). KAP's kernel
-times per stage under torch.profiler (bench/kernel.py, bench/layers.py).
+"""Helpers shared by the benchmarks: run metadata, timing, progress lines, tables, JSON. KAP's kernel
+times per stage under torch.profiler (bench/kernel.py, bench/layers.py). The accuracy benches'
+statistics are in bench/stats.py.
 
 Nothing here imports `cosa`: the dense and FlexAttention rows must run on a machine where the
 extension is not built.
@@ -275,35 +275,6 @@ def finish_report(json_path, failures: Sequence[str]) -> int:
     if failures:
         print("failures:\n  " + "\n  ".join(failures))
     return 1 if failures else 0
-
-
-def bootstrap_interval(values, resamples: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``values``: the means of ``resamples`` draws of
-    as many values with replacement, cut at ``(1 - level) / 2`` and ``(1 + level) / 2``. The draws
-    come from a generator seeded with ``seed``, so that a rerun prints the same bounds; all-equal
-    values give a zero-width interval."""
-    x = torch.as_tensor(values, dtype=torch.float64).flatten()
-    if x.numel() == 0:
-        raise ValueError("bootstrap_interval needs at least one value")
-    generator = torch.Generator().manual_seed(seed)
-    means = x[torch.randint(x.numel(), (resamples, x.numel()), generator=generator)].mean(1)
-    low, high = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
-    return float(low), float(high)
-
-
-def paired_difference(values, baseline, resamples: int = 2000, seed: int = 0,
-                      level: float = 0.95) -> tuple[float, float, float]:
-    """``(mean, low, high)`` of ``values - baseline``, entry by entry (two methods on the same
-    inputs), with the bootstrap interval of that mean: resampling the pairs rather than each side
-    on its own cancels what the two share (how hard each input is), so the interval is as narrow as
-    the methods' disagreement allows."""
-    a = torch.as_tensor(values, dtype=torch.float64).flatten()
-    b = torch.as_tensor(baseline, dtype=torch.float64).flatten()
-    if a.shape != b.shape:
-        raise ValueError(f"paired_difference needs as many values as baseline entries, got {a.numel()} "
-                         f"and {b.numel()}")
-    diff = a - b
-    return (float(diff.mean()), *bootstrap_interval(diff, resamples, seed, level))
 
 
 # KAP's kernels by stage, matched by name in the profiler's trace (csrc/kap, csrc/checks).

@@ -75,11 +75,8 @@ def worker(args) -> int:
     long_phase = args.phase == "long"
     if long_phase:
         config = json.loads((Path(args.model) / "config.json").read_text())
-        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         kwargs["max_model_len"] = yarn_positions(args)
-        kwargs["hf_overrides"] = {"rope_parameters": {
-            "rope_type": "yarn", "factor": args.yarn_factor, "rope_theta": theta,
-            "original_max_position_embeddings": config.get("max_position_embeddings", 32768)}}
+        kwargs["hf_overrides"] = {"rope_parameters": accuracy.yarn_rope_parameters(config, args.yarn_factor)}
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result = {"impl": args.worker, "phase": args.phase, "startup_s": time.perf_counter() - started,

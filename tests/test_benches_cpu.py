@@ -30,6 +30,7 @@ import fidelity  # noqa: E402
 import kernel  # noqa: E402
 import layers  # noqa: E402
 import long_context  # noqa: E402
+import stats  # noqa: E402
 import vllm_e2e  # noqa: E402
 
 
@@ -254,31 +255,31 @@ def test_source_digest_names_the_code(tmp_path):
 
 
 def test_bootstrap_interval_on_known_distributions():
-    low, high = common.bootstrap_interval([0.7] * 20)
+    low, high = stats.bootstrap_interval([0.7] * 20)
     assert low == high == pytest.approx(0.7)
-    assert common.bootstrap_interval([0.25]) == (0.25, 0.25)
+    assert stats.bootstrap_interval([0.25]) == (0.25, 0.25)
     # 60 ones in 200: mean 0.3, standard error sqrt(0.3 * 0.7 / 200) = 0.032, so a 95% interval ~0.127 wide.
     outcomes = [1.0] * 60 + [0.0] * 140
-    low, high = common.bootstrap_interval(outcomes, resamples=4000, seed=3)
+    low, high = stats.bootstrap_interval(outcomes, resamples=4000, seed=3)
     assert low < 0.3 < high and 0.10 < high - low < 0.16
-    assert common.bootstrap_interval(outcomes, 4000, 3) == (low, high)  # seeded: the same bounds again
-    narrow = common.bootstrap_interval(outcomes, 4000, 3, level=0.5)
+    assert stats.bootstrap_interval(outcomes, 4000, 3) == (low, high)  # seeded: the same bounds again
+    narrow = stats.bootstrap_interval(outcomes, 4000, 3, level=0.5)
     assert low < narrow[0] < narrow[1] < high
     with pytest.raises(ValueError):
-        common.bootstrap_interval([])
+        stats.bootstrap_interval([])
 
 
 def test_paired_difference():
     baseline = [1.0, 0.0, 0.5, 1.0, 0.0, 0.25, 0.75, 1.0]
-    assert common.paired_difference(baseline, baseline) == (0.0, 0.0, 0.0)
+    assert stats.paired_difference(baseline, baseline) == (0.0, 0.0, 0.0)
     # A constant shift on inputs of very different difficulty: pairing leaves no spread, while the
     # unpaired interval of either side is wide.
-    diff, low, high = common.paired_difference([b + 0.125 for b in baseline], baseline)
+    diff, low, high = stats.paired_difference([b + 0.125 for b in baseline], baseline)
     assert diff == low == high == pytest.approx(0.125)
-    spread = common.bootstrap_interval(baseline)
+    spread = stats.bootstrap_interval(baseline)
     assert spread[1] - spread[0] > 0.3
     with pytest.raises(ValueError):
-        common.paired_difference([1.0, 0.0], [1.0])
+        stats.paired_difference([1.0, 0.0], [1.0])
 
 
 def test_accuracy_aggregate_pairs_with_dense_and_leaves_dropped_tasks_out():
