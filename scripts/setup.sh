@@ -100,7 +100,7 @@ else
   started=$(mktemp)
   trap 'rm -f "$started"' EXIT
   echo "cosa setup.sh: building cosa (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}, MAX_JOBS=${MAX_JOBS});" \
-    "the CUDA kernels take about 3 minutes to compile on 2 cores; the build log is $LOG"
+    "the CUDA kernels take about 2-3 minutes to compile on 2 cores; the build log is $LOG"
   rm -f "$STAMP"
   build_start=$SECONDS
   if ! "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee "$LOG" | show_progress; then

@@ -72,6 +72,23 @@ def test_an_extension_built_for_another_torch_is_refused_naming_both(tmp_path):
     assert "--no-build-isolation" in why and "scripts/setup.sh" in why
 
 
+def test_import_warns_and_leaves_out_an_extension_built_for_another_torch(tmp_path):
+    """At import, not at the first call of torch.ops.cosa: a copy of the package whose record names
+    another torch imports with a warning naming both, and without the extension."""
+    if not cosa._C_AVAILABLE:
+        pytest.fail(f"cosa._C is not importable ({cosa._C_IMPORT_ERROR})")
+    package = Path(cosa.__file__).parent
+    copy = shutil.copytree(package, tmp_path / "cosa", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(cosa._C.__file__, copy)
+    (copy / "_C.torch-version").write_text("0.0.1\n")
+    result = subprocess.run([sys.executable, "-c", "import cosa; print(cosa._C_AVAILABLE)"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+    assert f"RuntimeWarning: cosa: torch.ops.cosa is not available: the compiled extension {copy}" in result.stderr
+    assert f"was built for torch 0.0.1, and this Python has torch {torch.__version__}" in result.stderr
+
+
 def test_the_built_extension_records_this_torch():
     """The build under test wrote the torch it compiled against beside the extension, and it matches."""
     if not cosa._C_AVAILABLE:
