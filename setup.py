@@ -15,10 +15,33 @@ import os
 import re
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
-import torch
-from setuptools import find_packages, setup
+
+def build_environment_error() -> str | None:
+    """Why this build cannot make a working extension, or None. The extension must be compiled against
+    the torch that will import it, so the build must see the environment's own packages: under pip's
+    default build isolation it sees a throwaway environment (without the environment's torch and
+    CUTLASS headers), and checking that here stops the build in seconds instead of after a torch
+    download and a compile against a torch that will not import the result."""
+    how = ("build with `pip install --no-build-isolation .` (after `pip install torch ninja nvidia-cutlass "
+           "numpy setuptools wheel`), or run `bash scripts/setup.sh`, which does both")
+    site_packages = {os.path.realpath(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}
+    if not site_packages.intersection(os.path.realpath(entry) for entry in sys.path):
+        return f"this build runs isolated from the Python environment it installs into (pip's build isolation): {how}"
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return f"torch is not installed in this Python environment: {how}"
+    return None
+
+
+if (_build_error := build_environment_error()) is not None:
+    sys.exit(f"cosa setup: error: {_build_error}")
+
+import torch  # noqa: E402
+from setuptools import find_packages, setup  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "third_party"))
 import cutlass_headers  # noqa: E402
@@ -127,6 +150,23 @@ def pip_cuda_includes() -> list[str]:
     return folders
 
 
+# Beside the compiled extension: the torch it was compiled against. An extension is bound to the C++
+# ABI of that torch; cosa/__init__.py compares this with the torch that imports it.
+TORCH_VERSION_FILE = "_C.torch-version"
+
+
+class BuildExtensionRecordingTorch(BuildExtension):
+    def run(self):
+        super().run()
+        # setuptools builds into the build folder and, for an in-place or editable build, copies the
+        # extension into the source tree: the record goes beside both.
+        inplace = self.inplace
+        for self.inplace in dict.fromkeys((False, inplace)):
+            for ext in self.extensions:
+                Path(self.get_ext_fullpath(ext.name)).with_name(TORCH_VERSION_FILE).write_text(torch.__version__ + "\n")
+        self.inplace = inplace
+
+
 def extension():
     use_cuda, reason = choose_cuda()
     include_dirs = [str(ROOT / d) for d in MANIFEST["include_dirs"]]
@@ -161,9 +201,12 @@ setup(
     packages=find_packages(include=["cosa", "cosa.*"]),
     license="BSD-3-Clause",
     python_requires=">=3.10",
-    install_requires=["torch"],
+    # The torch the extension is compiled against, exactly (a wheel built here is for that torch alone).
+    install_requires=[f"torch=={torch.__version__.partition('+')[0]}"],
+    # What the test suite needs beyond the package: `pip install --no-build-isolation ".[test]"`.
+    extras_require={"test": ["pytest", "numpy", "transformers>=4.48,<6"]},
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtensionRecordingTorch},
     # vLLM loads every installed general plugin at start-up: this one only registers CoSA's backend
     # in the CUSTOM slot (cosa/integrations/vllm_plugin.py), which an engine uses when asked to.
     entry_points={"vllm.general_plugins": ["cosa = cosa.integrations.vllm_plugin:register"]},

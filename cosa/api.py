@@ -10,6 +10,7 @@ tensor, then calls the op, which runs the contract itself."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -85,6 +86,17 @@ def _tensors(op, **named):
     return {name: validation.tensor(op, name, value) for name, value in named.items()}
 
 
+def _not_a_tensor(function, **values):
+    """Refuses a tensor given for a length argument (the first one after the op's tensors), naming the
+    likely slip: one tensor argument too many, such as ``kap(q, k_cache, v_cache, ...)``, moves every
+    later tensor one place on."""
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            raise TypeError(f"cosa.{function.__name__}: {name} must be an int or None, got a tensor: one tensor "
+                            f"argument too many? The arguments are cosa.{function.__name__}"
+                            f"{inspect.signature(function)}")
+
+
 def _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning):
     """``(max_seqlen_q, max_seqlen_k)`` as ints, each derived from the lengths when None. Deriving
     reads the index tensors on the host, after the ops' argument contract has checked them (the same
@@ -104,6 +116,7 @@ def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q=None, max_
     scores e4m3 copies of q and k (one scale per 128-token block and head); ``"auto"`` (the default)
     does so where the longest key sequence has 8192 tokens or more (``defaults.FP8_PROXY_MIN_KEYS``)."""
     op = "kap"
+    _not_a_tensor(kap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     tensors = _tensors(op, q=q, k_cache=k_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k)
     tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
@@ -120,6 +133,7 @@ def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
     Returns ``(out, lse, skipped)``; ``skipped`` counts skipped 64-row halves. Each list must hold
     causal blocks of its query block (checked); a block listed twice is computed twice (not checked)."""
     op = "osk"
+    _not_a_tensor(osk, max_seqlen_q=max_seqlen_q)
     tensors = _tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k, order=order, counts=counts)
     tuning = dict(softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
@@ -139,6 +153,7 @@ def prefill(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen
     Returns ``out [total_q, Hq, d]``, or ``(out, stats)`` with ``return_stats=True``: a dict holding
     ``lse``, ``order``, ``counts``, ``skipped`` and the budgets (which read the lengths on the host)."""
     op = "prefill"
+    _not_a_tensor(prefill, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     tensors = _tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k)
     tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
@@ -164,14 +179,25 @@ def _as_paged(x, page_size):
     return x.reshape(batch * (padded // page_size), page_size, *x.shape[2:])
 
 
+# The one layout slip a shape check can catch only sometimes: SDPA's [B, H, S, d] is the same rank.
+_LAYOUT = ("cosa.sparse_attention takes [B, S, H, d] (sequence before heads, as in FlashAttention); from SDPA's "
+           "[B, H, S, d] pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)")
+
+
 def sparse_attention(q, k, v, *, stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
                      delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION,
                      return_stats=False):
-    """CoSA causal attention on contiguous ``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]`` (``Sk >= Sq``,
-    ``Sk - Sq`` a multiple of 128: the queries are the last ``Sq`` positions). A thin wrapper that
-    views the inputs as one page per 128 tokens and calls :func:`prefill` with the device checks off
-    for this call (the index tensors it builds are right by construction; the one layout condition
-    left to the caller, the prefix, is checked here on the host). Returns ``[B, Sq, Hq, d]``."""
+    """CoSA causal attention on contiguous tensors in the layout **[batch, sequence, heads, head dim]**:
+    ``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]``. This is FlashAttention's layout, not SDPA's
+    ``[B, H, S, d]``: from SDPA's, pass ``q.transpose(1, 2)`` (and likewise k, v) and transpose the
+    output back. A tensor in SDPA's layout with as many query as KV heads is not refused (its shape is
+    valid) and gives attention over the wrong axis.
+
+    ``Sk >= Sq`` and ``Sk - Sq`` a multiple of 128 (the queries are the last ``Sq`` positions); ``Hq``
+    a multiple of ``Hkv``. A thin wrapper that views the inputs as one page per 128 tokens and calls
+    :func:`prefill` with the device checks off for this call (the index tensors it builds are right by
+    construction; the one layout condition left to the caller, the prefix, is checked here on the
+    host). Returns ``[B, Sq, Hq, d]``, or ``(out, stats)`` with ``return_stats=True``."""
     op = "sparse_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         validation.tensor(op, name, t)
@@ -182,15 +208,19 @@ def sparse_attention(q, k, v, *, stride=defaults.STRIDE, top_p=defaults.TOP_P, s
             raise ValueError(f"cosa.sparse_attention: {name} must be on {q.device} like q, got {t.device}")
     if k.shape != v.shape:
         raise ValueError(f"cosa.sparse_attention: k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
-    batch, seqlen_q = q.shape[:2]
-    seqlen_k = k.shape[1]
+    batch, seqlen_q, heads_q = q.shape[:3]
+    seqlen_k, heads_kv = k.shape[1:3]
     if k.shape[0] != batch:
         raise ValueError(f"cosa.sparse_attention: k has batch {k.shape[0]}, q has {batch}")
     if seqlen_q < 1 or seqlen_k < seqlen_q:
-        raise ValueError(f"cosa.sparse_attention: need 1 <= Sq <= Sk, got Sq={seqlen_q}, Sk={seqlen_k}")
+        raise ValueError(f"cosa.sparse_attention: need 1 <= Sq <= Sk, got Sq={seqlen_q} (q.shape[1]), "
+                         f"Sk={seqlen_k} (k.shape[1]); {_LAYOUT}")
+    if heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(f"cosa.sparse_attention: the query heads Hq={heads_q} (q.shape[2]) must be a multiple of "
+                         f"the KV heads Hkv={heads_kv} (k.shape[2]); {_LAYOUT}")
     if (seqlen_k - seqlen_q) % BLOCK:
         raise ValueError(f"cosa.sparse_attention: the cached prefix Sk - Sq = {seqlen_k - seqlen_q} must be a "
-                         f"multiple of {BLOCK}")
+                         f"multiple of {BLOCK} (Sq={seqlen_q}, Sk={seqlen_k}); {_LAYOUT}")
     pages = cdiv(seqlen_k, BLOCK)
     device = q.device
     page_table = torch.arange(batch * pages, dtype=torch.int32, device=device).reshape(batch, pages)

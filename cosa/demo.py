@@ -68,11 +68,15 @@ def choose_mode(device_arg: str) -> tuple[str, str | None]:
         if device_arg == "cuda":
             sys.exit("cosa.demo: --device cuda, but torch sees no CUDA GPU")
         return "reference", "no CUDA GPU"
-    if not cosa.cuda_kernels_available():
+    if not cosa.cuda_kernels_built():
         if device_arg == "cuda":
             sys.exit("cosa.demo: --device cuda, but cosa was built without its CUDA kernels "
                      "(build with TORCH_CUDA_ARCH_LIST=9.0 on a CUDA build of torch)")
         return "reference", "cosa has no CUDA kernels in this build"
+    if not cosa.cuda_kernels_available():
+        if device_arg == "cuda":
+            sys.exit("cosa.demo: --device cuda, but the GPU is not a Hopper (the kernels are for sm_90a)")
+        return "reference", "the GPU is not a Hopper (the kernels are for sm_90a)"
     return "kernels", None
 
 

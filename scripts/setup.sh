@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-step set-up from a clone, into the current Python environment:
+# One-step set-up from a clone, into the current Python environment (a virtual environment: a
+# system Python that forbids pip installs, PEP 668, is refused up front with the commands to make one):
 #   torch (only when none is installed), the build tools, the CUTLASS headers (unless CUTLASS_DIR
 #   names a CUTLASS checkout), transformers (for the integration and the model-level benches), then
 #   cosa itself as an editable install so that `python -m cosa.demo` and the tests run from the
@@ -13,6 +14,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${COSA_TORCH_VERSION:-2.14.1}
+
+# pip refuses to install into a Python that the system manages (PEP 668: an EXTERNALLY-MANAGED file
+# beside its standard library), after a few seconds and in words that do not say what to do here.
+if "$PYTHON" -c 'import sys, sysconfig, pathlib
+sys.exit(not (sys.prefix == sys.base_prefix
+              and (pathlib.Path(sysconfig.get_path("stdlib")) / "EXTERNALLY-MANAGED").is_file()))'; then
+  echo "cosa setup.sh: $("$PYTHON" -c 'import sys; print(sys.executable)') is the system's Python, which pip" \
+    "may not install into (PEP 668). Make a virtual environment and run this again from it:" >&2
+  echo "  python3 -m venv .venv && source .venv/bin/activate" >&2
+  exit 1
+fi
 
 missing=()
 "$PYTHON" -c "import torch" 2>/dev/null || missing+=("torch==${TORCH_VERSION}")
@@ -31,9 +43,18 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 
 STAMP=cosa/_C.build-stamp
 LOG=build/setup-sh.log
-# What decides the build besides its input files: torch, and the variables setup.py and torch's
-# extension builder read to choose the CUDA or the CPU-only build and to find nvcc and CUTLASS.
-settings="torch $("$PYTHON" -c 'import torch; print(torch.__version__)')
+# The build's input files. Bytecode caches are not inputs (the build itself imports
+# third_party/cutlass_headers.py, which writes one after the stamp's time), and only files count:
+# writing that cache changes its folder's time too.
+build_inputs() {
+  find csrc setup.py CMakeLists.txt pyproject.toml cosa/defaults.py third_party -name __pycache__ -prune \
+    -o -type f "$@" -print
+}
+# What decides the build besides its input files' contents: which files they are (a source added or
+# removed), torch, and the variables setup.py and torch's extension builder read to choose the CUDA
+# or the CPU-only build and to find nvcc and CUTLASS.
+settings="input files $(build_inputs | LC_ALL=C sort | cksum)
+torch $("$PYTHON" -c 'import torch; print(torch.__version__)')
 nvidia-cutlass $("$PYTHON" -c 'import importlib.metadata as m
 try: print(m.version("nvidia-cutlass"))
 except m.PackageNotFoundError: print("none")')
@@ -47,13 +68,29 @@ extension=(cosa/_C*.so)
 shopt -u nullglob
 
 # The stamp's time is the start of the build that wrote it: an input edited during that build is
-# newer than the stamp, so the next run builds again. Bytecode caches are not inputs (the build
-# itself imports third_party/cutlass_headers.py, which writes one after the stamp's time).
+# newer than the stamp, so the next run builds again.
 build_is_current() {
   ((${#extension[@]})) && [[ -f $STAMP ]] &&
     [[ "$(grep -v '^cosa setup: ' "$STAMP")" == "$settings" ]] &&
-    [[ -z "$(find csrc setup.py CMakeLists.txt pyproject.toml cosa/defaults.py third_party \
-               -name __pycache__ -prune -o -newer "$STAMP" -print -quit)" ]]
+    [[ -z "$(build_inputs -newer "$STAMP" | head -n 1)" ]]
+}
+
+# pip -v streams the build's output; ninja prints "[n/m] <command>" as each compile finishes. Shows
+# those as progress lines (the source file and the time since the build started), and setup.py's
+# choice of build once.
+show_progress() {
+  local line source step_re='^ *\[([0-9]+)/([0-9]+)\] ' choice_shown=""
+  while IFS= read -r line; do
+    if [[ -z $choice_shown && $line == *"cosa setup: building "* ]]; then
+      echo "cosa setup.sh: ${line#*cosa setup: }"
+      choice_shown=1
+    elif [[ $line =~ $step_re ]]; then
+      source=${line##* -c }
+      source=${source%% *}
+      echo "cosa setup.sh: [${BASH_REMATCH[1]}/${BASH_REMATCH[2]}] compiled ${source#"$PWD/"}" \
+        "($((SECONDS - build_start)) s)"
+    fi
+  done
 }
 
 if build_is_current; then
@@ -63,9 +100,10 @@ else
   started=$(mktemp)
   trap 'rm -f "$started"' EXIT
   echo "cosa setup.sh: building cosa (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}, MAX_JOBS=${MAX_JOBS});" \
-    "compiling the CUDA kernels can take 10 minutes or more on a few cores; the build log is $LOG"
+    "the CUDA kernels take about 2-3 minutes to compile on 2 cores; the build log is $LOG"
   rm -f "$STAMP"
-  if ! "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . > "$LOG" 2>&1; then
+  build_start=$SECONDS
+  if ! "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee "$LOG" | show_progress; then
     echo "cosa setup.sh: the build failed; its first error lines, then the end of $LOG:" >&2
     grep -m 40 -E "error|Error" "$LOG" >&2 || true
     echo "   ..." >&2
@@ -75,6 +113,7 @@ else
   # setup.py prints its choice (CUDA or CPU-only, and why) as one "cosa setup: building ..." line.
   { echo "$settings"; grep -o 'cosa setup: building .*' "$LOG" | tail -n 1; } > "$STAMP"
   touch -r "$started" "$STAMP"
+  echo "cosa setup.sh: built in $((SECONDS - build_start)) s"
 fi
 
 COSA_BUILD_CHOICE=$(grep '^cosa setup: ' "$STAMP" || true) COSA_BUILD_LOG=$LOG "$PYTHON" - <<'EOF'

@@ -2,10 +2,18 @@
 
 import math
 
+import pytest
 import torch
 
 from cosa import reference as R
 from cosa.layout import kap_layout_args
+
+
+def require_transformers():
+    """Skips the calling test where transformers (and tokenizers, which it uses) are not installed:
+    they are optional, and `pip install --no-build-isolation ".[test]"` or scripts/setup.sh installs them."""
+    pytest.importorskip("tokenizers", reason="needs tokenizers (the `test` extra)")
+    pytest.importorskip("transformers", reason="needs transformers (the `test` extra)")
 
 
 def rel_err(a, b):

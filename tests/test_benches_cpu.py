@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from cosa import defaults
+from helpers import require_transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import accuracy  # noqa: E402
@@ -46,6 +47,7 @@ def only_json(folder: Path, prefix: str) -> dict:
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer Llama with random weights and a word-level tokenizer built here (no download)."""
+    require_transformers()
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -104,6 +106,7 @@ def test_fidelity_model_capture_cpu(tmp_path, tiny_model_dir):
 
 
 def test_e2e_cpu(tmp_path):
+    require_transformers()  # the tiny Llama-shaped model
     rc = e2e.main(["--config", "tiny", "--device", "cpu", "--n", "512", "--impls", "dense-math,cosa,budgets",
                    "--budgets", "0.5", "--reps", "1", "--plot", "--out", str(tmp_path)])
     assert rc == 0
@@ -786,6 +789,7 @@ def test_layers_exits_2_without_a_gpu(tmp_path, haystack_dir, capsys):
 
 def tiny_causal_lm(family: str):
     """Three layers of the family with random float32 weights, 4 query heads over 2 KV heads, d 32."""
+    require_transformers()
     import transformers
 
     config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"),

@@ -8,11 +8,13 @@ import torch
 import cosa.integrations.transformers as cosa_hf
 from cosa import reference
 from cosa.layout import paged_from_contiguous
+from helpers import require_transformers
 
 VOCAB = 512
 
 
 def tiny_model(family="llama", layers=2, seed=0):
+    require_transformers()
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
@@ -92,6 +94,7 @@ def test_sparse_prefill_statistics_and_accuracy():
 
 
 def test_chunked_prefill_over_a_cached_prefix():
+    require_transformers()
     from transformers import DynamicCache
 
     model = tiny_model()
@@ -108,6 +111,7 @@ def test_chunked_prefill_over_a_cached_prefix():
 
 
 def test_unaligned_prefix_and_padded_batch_go_dense():
+    require_transformers()
     from transformers import DynamicCache
 
     model = tiny_model()
@@ -126,6 +130,7 @@ def test_unaligned_prefix_and_padded_batch_go_dense():
 
 
 def test_summary_says_why_calls_stayed_dense():
+    require_transformers()
     from transformers import DynamicCache
 
     model = tiny_model()
@@ -258,6 +263,7 @@ def test_decode_stays_dense_whatever_min_prefill_tokens():
 def test_inference_mode():
     """Tensors made under torch.inference_mode() have no version counter; the mask check must not
     need one."""
+    require_transformers()
     from transformers import DynamicCache
 
     model = tiny_model()

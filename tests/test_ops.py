@@ -313,6 +313,38 @@ def test_sparse_attention_checks_the_prefix_on_the_host(ops, device):
     assert cosa.sparse_attention(q, k[:, :130], k[:, :130]).shape == q.shape
 
 
+def test_sparse_attention_names_the_layout_when_given_sdpa_layout(ops):
+    """SDPA's [B, H, S, d] with fewer KV than query heads reads as Sq > Sk; the error says which
+    layout sparse_attention takes and how to get it from SDPA's."""
+    q = torch.randn(1, 4, 256, 64).bfloat16()  # [B, Hq, S, d]
+    k = torch.randn(1, 2, 256, 64).bfloat16()  # [B, Hkv, S, d]
+    with pytest.raises(ValueError, match=r"Sq=4 \(q.shape\[1\]\), Sk=2 \(k.shape\[1\]\).*takes \[B, S, H, d\].*"
+                                         r"q.transpose\(1, 2\)"):
+        cosa.sparse_attention(q, k, k)
+    # Query heads that are not a multiple of the KV heads, in the right layout, name the layout too.
+    with pytest.raises(ValueError, match=r"Hq=3 \(q.shape\[2\]\) must be a multiple of the KV heads Hkv=2.*\[B, S, H, d\]"):
+        cosa.sparse_attention(torch.randn(1, 128, 3, 64).bfloat16(), torch.randn(1, 128, 2, 64).bfloat16(),
+                              torch.randn(1, 128, 2, 64).bfloat16())
+    # Transposed as the error says, the same tensors run.
+    out = cosa.sparse_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+    assert out.shape == (1, 256, 4, 64)
+
+
+@pytest.mark.parametrize("function, args", [
+    ("kap", ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k")),
+    ("prefill", ("q", "k_cache", "v_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k")),
+    ("osk", ("q", "k_cache", "v_cache", "v_cache", "page_table", "cu_seqlens_q", "seqused_k", "order", "counts")),
+])
+def test_one_tensor_argument_too_many_names_the_signature(ops, function, args):
+    """A tensor where a length goes is one tensor argument too many (kap takes no v_cache): the error
+    says so and spells out the function's arguments, instead of only blaming max_seqlen_q."""
+    p = small_problem()
+    p["order"], p["counts"] = run_kap(p)
+    with pytest.raises(TypeError, match=rf"cosa.{function}: max_seqlen_q must be an int or None, got a tensor: one "
+                                        rf"tensor argument too many\? The arguments are cosa.{function}\(q, k_cache, "):
+        getattr(cosa, function)(*(p[name] for name in args))
+
+
 # --- one argument contract: every path, the same errors ------------------------------------------
 
 

@@ -1,12 +1,15 @@
-"""The README's Python examples, run as a reader would paste them, with the names they take as given
-(q, k_cache, ..., model, input_ids) bound to a small problem: on the CPU (the reference) and, marked
-`gpu`, on a Hopper GPU (the kernels). A change to an op's signature, a keyword, a statistic's name, an
-output's shape or a default that leaves the README behind fails here."""
+"""The README's examples, run as a reader would paste them: each Python block builds its own inputs
+and runs in a fresh namespace, on the CPU (the reference; the examples pick the CPU where
+cosa.cuda_kernels_available() is False) and, marked `gpu`, on a Hopper GPU (the kernels). The
+transformers example gets a tiny random model in place of the download. A change to an op's
+signature, a keyword, a statistic's name, an output's shape or a default that leaves the README
+behind fails here, and so does a block that uses a name it does not make."""
 
 import ast
 import contextlib
 import io
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -16,10 +19,18 @@ import cosa
 from cosa import defaults
 from cosa.integrations.vllm_plugin import Settings
 from cosa.reference import BLOCK
-from cosa.testing import random_problem
+
+from helpers import require_transformers
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# One marker for each Python block of the README, naming the test that runs it.
+MARKERS = {
+    "contiguous": "cosa.sparse_attention(q, k, v, return_stats=True)",
+    "paged": "torch.ops.cosa.prefill(",
+    "transformers": "cosa_hf.enable(",
+    "vllm": "from vllm import LLM",
+}
 
 
 def python_examples():
@@ -42,11 +53,12 @@ def example_with(marker):
     return hits[0]
 
 
-def run_example(example, names):
-    """Runs an example in a namespace holding `names`; returns the namespace and what it printed.
-    Tracebacks name README.md and its own line numbers."""
+def run_example(example, names=None):
+    """Runs an example in a fresh namespace (or one holding `names`); returns the namespace and what
+    it printed. Tracebacks name README.md and its own line numbers."""
     start, source = example
     code = compile("\n" * (start - 1) + source, str(README), "exec")
+    names = {} if names is None else names
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(code, names)
@@ -61,35 +73,77 @@ def call_in(example, function_name):
     return calls[0]
 
 
-def paged_problem(device):
-    """Two sequences, one with a cached prefix of two blocks, an odd length, GQA, page size 64."""
-    return random_problem([300, 128], [556, 128], num_heads_q=4, num_heads_kv=2, head_dim=128, page_size=64,
-                          device=device, structure="needles")
+def test_every_python_example_is_run_here():
+    examples = python_examples()
+    assert len(examples) == len(MARKERS)
+    for marker in MARKERS.values():
+        example_with(marker)
 
 
-def num_query_blocks(p):
-    """The bound of the README's output table: min(B * ceil(max_seqlen_q / 128), (total_q + 127 B) // 128)."""
-    batch, total_q = p["seqused_k"].numel(), p["q"].shape[0]
-    return min(batch * math.ceil(p["max_seqlen_q"] / BLOCK), (total_q + (BLOCK - 1) * batch) // BLOCK)
+def test_the_two_commands_and_the_virtual_environment():
+    """The set-up of "The two commands": a virtual environment first, then the demo and the test
+    command (the one .ci/run finds with `^bash scripts/setup.sh && .*pytest`)."""
+    lines = README.read_text().splitlines()
+    assert "python3 -m venv .venv && source .venv/bin/activate" in lines
+    assert "bash scripts/setup.sh && python3 -m cosa.demo" in lines
+    assert [line for line in lines if re.match(r"^bash scripts/setup.sh && .*pytest", line)] == [
+        "bash scripts/setup.sh && python3 -m pytest -q tests"]
+
+
+def on_device(device, monkeypatch):
+    """The examples choose the GPU where the kernels can run: on "cpu", make them choose the CPU."""
+    if device == "cpu":
+        monkeypatch.setattr(cosa, "cuda_kernels_available", lambda: False)
+
+
+def num_query_blocks(q, seqused_k, max_seqlen_q):
+    """The bound of docs/api.md's output table: min(B * ceil(max_seqlen_q / 128), (total_q + 127 B) // 128)."""
+    batch, total_q = seqused_k.numel(), q.shape[0]
+    return min(batch * math.ceil(max_seqlen_q / BLOCK), (total_q + (BLOCK - 1) * batch) // BLOCK)
+
+
+def budgets(printed_line):
+    shape, stage1_budget, realised_budget = printed_line.rsplit(" ", 2)
+    assert 0 < float(realised_budget) <= float(stage1_budget) <= 1
+    return shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_contiguous_example(ops, device, monkeypatch):
+    on_device(device, monkeypatch)
+    names, printed = run_example(example_with(MARKERS["contiguous"]))
+    q, out, out_sdpa = names["q"], names["out"], names["out_sdpa"]
+    assert q.device.type == device
+    assert budgets(printed.strip()) == str(out.shape) and out.shape == q.shape == (1, 1024, 8, 128)
+    assert out.dtype == q.dtype and torch.isfinite(out.float()).all()
+    # The SDPA-layout call is the same attention, in SDPA's layout.
+    assert out_sdpa.shape == (1, 8, 1024, 128)
+    assert torch.equal(out_sdpa.transpose(1, 2), out)
 
 
 def test_the_ops_example_passes_the_defaults():
     """Its positional tuning arguments are said to be the defaults of cosa/defaults.py."""
-    call = call_in(example_with("torch.ops.cosa.prefill("), "torch.ops.cosa.prefill")
+    call = call_in(example_with(MARKERS["paged"]), "torch.ops.cosa.prefill")
     tuning = [ast.literal_eval(arg) for arg in call.args[8:]]
     assert tuning == [defaults.STRIDE, defaults.TOP_P, defaults.SOFTMAX_SCALE, defaults.DELTA, defaults.VOTE,
                       defaults.PROXY_PRECISION]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_ops_example(ops, device):
-    p = paged_problem(device)
-    names, _ = run_example(example_with("torch.ops.cosa.prefill("), dict(p))
+def test_the_paged_example(ops, device, monkeypatch):
+    on_device(device, monkeypatch)
+    names, printed = run_example(example_with(MARKERS["paged"]))
+    q, seqused_k = names["q"], names["seqused_k"]
     out, lse, order, counts, skipped = (names[n] for n in ("out", "lse", "order", "counts", "skipped"))
-    total_q, heads_q, head_dim = p["q"].shape
-    blocks_q, blocks_k = num_query_blocks(p), math.ceil(p["max_seqlen_k"] / BLOCK)
-    # The output table of the README.
-    assert out.shape == p["q"].shape and out.dtype == p["q"].dtype
+    assert q.device.type == device
+    assert budgets(printed.strip()) == str(q.shape)
+    # The sequences it describes: the second one's queries after a cached prefix of two blocks.
+    assert names["cu_seqlens_q"].tolist() == [0, 300, 428] and seqused_k.tolist() == [300, 384]
+    total_q, heads_q, _ = q.shape
+    blocks_q = num_query_blocks(q, seqused_k, max(names["q_lens"]))
+    blocks_k = math.ceil(max(names["k_lens"]) / BLOCK)
+    # The output table of docs/api.md.
+    assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (heads_q, total_q) and lse.dtype == torch.float32
     assert order.shape == (heads_q, blocks_q, blocks_k) and order.dtype == torch.int32
     assert counts.shape == skipped.shape == (heads_q, blocks_q)
@@ -100,33 +154,25 @@ def test_the_ops_example(ops, device):
     assert (order[~listed] == -1).all() and (order[listed] >= 0).all()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_python_api_example(ops, device):
-    p = paged_problem(device)
-    gen = torch.Generator().manual_seed(1)
-    contiguous = {name: torch.randn(shape, generator=gen).to(torch.bfloat16).to(device)
-                  for name, shape in (("q4", (2, 256, 4, 64)), ("k4", (2, 384, 2, 64)), ("v4", (2, 384, 2, 64)))}
-    names, printed = run_example(example_with("out, stats = cosa.prefill("), {"cosa": cosa, **p, **contiguous})
-    stage1_budget, realised_budget = (float(word) for word in printed.split())
-    assert 0 < realised_budget <= stage1_budget <= 1
-    assert names["out"].shape == contiguous["q4"].shape
-    assert names["lse"].shape == (p["q"].shape[1], p["q"].shape[0])
-    assert names["order"].shape[:2] == names["counts"].shape == names["skipped"].shape
+def test_the_transformers_example(monkeypatch):
+    require_transformers()
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-
-def test_the_transformers_example():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    example = example_with("cosa_hf.enable(")
+    example = example_with(MARKERS["transformers"])
     min_prefill_tokens = ast.literal_eval(
         next(kw.value for kw in call_in(example, "cosa_hf.enable").keywords if kw.arg == "min_prefill_tokens"))
     torch.manual_seed(0)
     config = Qwen2Config(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, max_position_embeddings=2 * min_prefill_tokens)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
-    input_ids = torch.randint(0, 512, (1, min_prefill_tokens), generator=torch.Generator().manual_seed(0))
-    names, printed = run_example(example, {"model": model, "input_ids": input_ids})
-    new_tokens = names["output"].shape[1] - min_prefill_tokens
+    model = Qwen2ForCausalLM(config).eval()
+    asked = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda name, *a, **kw: asked.append(name) or model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    names, printed = run_example(example)
+    assert asked == ["Qwen/Qwen2.5-Coder-1.5B-Instruct"]
+    prompt_tokens = names["input_ids"].shape[1]
+    assert prompt_tokens >= min_prefill_tokens
+    new_tokens = names["output"].shape[1] - prompt_tokens
     assert new_tokens > 0
     # The prompt's prefill is long enough for CoSA in both layers; every decode step stays dense.
     summary = names["handle"].summary()
@@ -139,7 +185,7 @@ def test_the_transformers_example():
 def test_the_vllm_example_settings():
     """vLLM is not run here (tests/test_vllm_backend.py covers the backend); the example's backend
     slot and its `additional_config` are checked against the plugin."""
-    call = call_in(example_with("from vllm import LLM"), "LLM")
+    call = call_in(example_with(MARKERS["vllm"]), "LLM")
     keywords = {kw.arg: kw.value for kw in call.keywords}
     assert ast.literal_eval(keywords["attention_backend"]) == "CUSTOM"
     given = ast.literal_eval(keywords["additional_config"])
