@@ -178,6 +178,7 @@ def extension():
             f"reference): {reason}")
         return CppExtension("cosa._C", sources, include_dirs=include_dirs,
                             extra_compile_args={"cxx": cxx_flags}, py_limited_api=True)
+    sources += [repo_path(s) for s in MANIFEST["binding_cuda_sources"]]
     kernels = kernel_sources()
     if not kernels:
         sys.exit(f"cosa setup: error: no kernel sources ({MANIFEST['kernel_source_suffixes']}) "

@@ -1,4 +1,4 @@
-// Torch-free parameter structs shared by the torch binding (csrc/torch_binding.cpp) and the CUDA
+// Torch-free parameter structs shared by the torch binding (csrc/binding/launchers.cpp) and the CUDA
 // kernels. Everything is plain data: raw pointers, element strides, sizes (composition, no
 // inheritance: cosa_c_api.h mirrors them for C callers, and c_api.cpp checks every field of the
 // mirror against these).
@@ -198,7 +198,7 @@ inline int64_t kap_score_tiles_bound(int64_t batch, int64_t max_seqlen_q, int64_
 
 // The plain-data checks of run_kap and run_osk (see valid_layout). KAP's also hold its size limits,
 // past which its 32-bit offsets would wrap (wrong lists, no error): the binding refuses the same
-// sizes with messages (check_cuda_limits in csrc/torch_binding.cpp).
+// sizes with messages (check_cuda_limits in csrc/binding/cuda_limits.cpp).
 inline bool valid_kap_params(const KapParams& p) {
   const PagedLayout& l = p.layout;
   if (!valid_layout(l) || !valid_kap_stride(p.stride) ||

@@ -24,6 +24,7 @@
 #include <cuda.h>  // CUtensorMap
 
 #include "common/input_gate.cuh"
+#include "common/paging.cuh"
 #include "cosa_params.h"
 
 namespace cosa::kap {
@@ -186,19 +187,6 @@ struct KapDeviceArgs {
   float* q_scale = nullptr;
   float* k_scale = nullptr;
 };
-
-// Where key t of a sequence lies in the paged cache: page-table entry t >> shift, row t & row_mask
-// of that page. Page sizes are powers of two (checked by the binding and by run_kap), so the key
-// loops of the range, quantisation and scoring kernels need no integer division.
-struct KeyPaging {
-  int shift = 0;
-  int row_mask = 0;
-  __device__ __forceinline__ int page_index(int key) const { return key >> shift; }
-  __device__ __forceinline__ int row(int key) const { return key & row_mask; }
-};
-__device__ __forceinline__ KeyPaging key_paging(const PagedLayout& layout) {
-  return KeyPaging{log2_page_size(layout.page_size), layout.page_size - 1};
-}
 
 // Order-preserving map of floats to unsigned integers, so that an integer atomicMax keeps a float
 // maximum; 0 lies below every float (the value a zeroed buffer starts from).

@@ -4,9 +4,16 @@
 // memory through shared memory, in whole 16-byte chunks of its rows.
 #pragma once
 
-#include <cute/tensor.hpp>
+#include <cmath>
+#include <cstdint>
 
-#include "osk/osk_mainloop.h"
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+
+#include "osk/osk_params.h"
+#include "osk/osk_shared_storage.h"
+#include "osk/osk_softmax.h"
+#include "osk/osk_sync.h"
 
 namespace cosa::osk {
 

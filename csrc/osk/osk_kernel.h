@@ -1,7 +1,7 @@
 // The OSK kernel: one CTA of three warpgroups per (query head, 128-row query block) tile.
 // Warpgroup 0 (few registers) loads Q once; then one of its warps loads the listed K blocks and
-// another the V blocks through the page table (TMA for whole blocks, cp.async for the one holding
-// Lk) into a kStages-deep mbarrier pipeline. Warpgroups 1 and 2 (many registers) each own 64
+// another the V blocks through the page table (osk_paged_kv.h: TMA for whole blocks, cp.async for
+// the one holding Lk) into a kStages-deep mbarrier pipeline. Warpgroups 1 and 2 (many registers) each own 64
 // query rows and walk the list in order (osk_mainloop.h), then store O and LSE (osk_epilogue.h).
 #pragma once
 
@@ -10,6 +10,9 @@
 #include "common/input_gate.cuh"
 #include "osk/osk_epilogue.h"
 #include "osk/osk_mainloop.h"
+#include "osk/osk_paged_kv.h"
+#include "osk/osk_params.h"
+#include "osk/osk_shared_storage.h"
 #include "osk/osk_sync.h"
 #include "osk/osk_tile_scheduler.h"
 
@@ -29,7 +32,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   if (threadIdx.x == 0) {
     MBarrier::init(&storage.q_full, Traits::kNumProducerThreads);
-    const int kv_warps = Mainloop::kv_load_warps(kp);
+    const int kv_warps = OskPagedKV<Traits>::kv_load_warps(kp);
     for (int s = 0; s < Traits::kStages; ++s) {
       // One arrival per producer warp loading that cache (plus the TMA transaction bytes of whole
       // blocks).

@@ -1,6 +1,7 @@
-// The OSK main loop (spec section 3): the producer's paged loads of Q, K and V into the stage
-// pipeline (`load`), and the consumers' walk over the tile's ordered list (`mma`): S = Q K^T, masks,
-// row max, the tile-wide skip vote, online softmax and O += P V.
+// The OSK main loop (spec section 3): the producer's loads of Q, K and V into the stage pipeline
+// (`load`: Q, then the listed blocks through osk_paged_kv.h), and the consumers' walk over the
+// tile's ordered list (`mma`): S = Q K^T, masks, row max, the tile-wide skip vote, online softmax
+// and O += P V.
 #pragma once
 
 #include <cfloat>
@@ -9,31 +10,17 @@
 #include <cutlass/arch/mma_sm90.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "osk/osk_paged_kv.h"
+#include "osk/osk_params.h"
+#include "osk/osk_shared_storage.h"
 #include "osk/osk_softmax.h"
 #include "osk/osk_sync.h"
-#include "osk/osk_tile_scheduler.h"
 #include "osk/osk_traits.h"
 #include "osk/osk_vote.h"
 
 namespace cosa::osk {
 
 using namespace cute;
-
-template <class Traits>
-struct OskSharedStorage {
-  using Element = typename Traits::Element;
-  // The 128-byte swizzle repeats every 1024 bytes: every tile starts on such a boundary.
-  alignas(1024) Element q[cosize_v<typename Traits::SmemLayoutQ>];
-  alignas(1024) Element k[cosize_v<typename Traits::SmemLayoutKV>];
-  alignas(1024) Element v[cosize_v<typename Traits::SmemLayoutKV>];
-  uint64_t q_full;
-  uint64_t k_full[Traits::kStages];
-  uint64_t k_empty[Traits::kStages];
-  uint64_t v_full[Traits::kStages];
-  uint64_t v_empty[Traits::kStages];
-  // Each consumer warpgroup's count of skipped blocks, summed by the epilogue.
-  int skipped[2];
-};
 
 // Issues one warpgroup-wide MMA over the whole K extent, C (+)= A B, as one commit group, and
 // returns at once: the caller waits (warpgroup_wait) and fences C before touching it.
@@ -68,6 +55,8 @@ template <class Traits>
 struct OskMainloop {
   using Element = typename Traits::Element;
   using Storage = OskSharedStorage<Traits>;
+  using PagedKV = OskPagedKV<Traits>;
+  using KVSource = typename PagedKV::KVSource;
   static constexpr int kStages = Traits::kStages;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kChunksPerRow = Traits::kChunksPerRow;
@@ -76,118 +65,10 @@ struct OskMainloop {
   // Shared-memory bytes between a thread's consecutive passes (kRowsPerPass rows further down).
   static constexpr uint32_t kPassBytes =
       uint32_t(Traits::swizzled_offset(kRowsPerPass, 0) * sizeof(Element));
-  static constexpr uint32_t kTileBytes = uint32_t(Traits::kTileElems * sizeof(Element));
   // Accumulator registers of one thread for a 64 x 128 slice of S: 2 rows x 32 columns.
   static constexpr int kScoresPerThread = kBlockN / 2;
 
   // ---------------------------------------------------------------- producer (warpgroup 0)
-
-  // Lane l of each producer warp holds the physical page of the l-th page of key block `block`
-  // (a 128-key block spans 128 / page_size pages, or part of one page when page_size >= 128).
-  __device__ static int lane_page(const OskKernelParams& kp, const OskTile& t, int block,
-                                  int lane) {
-    const PagedLayout& layout = kp.args.layout;
-    const int pages_per_block = kp.log2_page_size >= 7 ? 1 : (kBlockN >> kp.log2_page_size);
-    const int page_in_seq = ((block * kBlockN) >> kp.log2_page_size) + lane;
-    const bool live = lane < pages_per_block && block >= 0 &&
-                      (page_in_seq << kp.log2_page_size) < t.seqlen_k;
-    return live ? layout.page_table[static_cast<int64_t>(t.batch) * layout.page_table_stride +
-                                    page_in_seq]
-                : 0;
-  }
-
-  // Gathers key block `block` of one cache (K or V) with cp.async into the tile at `smem_tile`; keys
-  // at or past Lk are zero-filled without being read. The first `num_warps` producer warps share the
-  // work (warp `warp` of them): each warp copies 8-row groups (one swizzle atom high), lane l row
-  // l / 4 of the group and every fourth 16-byte chunk of that row from chunk l % 4, so that a lane's
-  // shared-memory offsets repeat from group to group. `src_head` points at page 0, row 0 of KV head
-  // head_kv; `page` is lane_page() of this block.
-  __device__ static void gather_kv_block(const OskKernelParams& kp, const OskTile& t,
-                                         uint32_t smem_tile, const Element* src_head,
-                                         int64_t page_stride, int64_t row_stride, int block,
-                                         int page, int warp, int num_warps, int lane) {
-    constexpr int kGroups = kBlockN / 8;
-    constexpr int kChunksPerLane = kChunksPerRow / 4;
-    const int page_mask = (1 << kp.log2_page_size) - 1;
-    const int row_in_group = lane / 4;
-    uint32_t smem_chunk[kChunksPerLane];
-    CUTE_UNROLL
-    for (int j = 0; j < kChunksPerLane; ++j) {
-      smem_chunk[j] = smem_tile + uint32_t(Traits::swizzled_offset(row_in_group, lane % 4 + 4 * j) *
-                                           sizeof(Element));
-    }
-    for (int group = warp; group < kGroups; group += num_warps) {
-      const int row = group * 8 + row_in_group;
-      const int token = block * kBlockN + row;
-      const int page_of_row = __shfl_sync(0xffffffffu, page,
-                                          kp.log2_page_size >= 7 ? 0 : (row >> kp.log2_page_size));
-      const bool live = static_cast<unsigned>(token) < static_cast<unsigned>(t.seqlen_k);
-      const Element* src_row = src_head + static_cast<int64_t>(page_of_row) * page_stride +
-                               static_cast<int64_t>(token & page_mask) * row_stride;
-      // Group g starts 8 rows (one swizzle atom) below group 0.
-      const uint32_t group_bytes = uint32_t(Traits::swizzled_offset(group * 8, 0) * sizeof(Element));
-      CUTE_UNROLL
-      for (int j = 0; j < kChunksPerLane; ++j) {
-        const int chunk = lane % 4 + 4 * j;
-        cp_async_16_zfill(smem_chunk[j] + group_bytes, live ? src_row + chunk * 8 : src_head, live);
-      }
-    }
-  }
-
-  // Where one cache (K or V) lives, for both load paths.
-  struct KVSource {
-    const CUtensorMap* tma;
-    const Element* src_head;  // KV head head_kv, page 0, row 0
-    int64_t page_stride;
-    int64_t row_stride;
-    uint32_t smem;  // stage 0 of the tile buffer
-  };
-
-  // Producer warps per cache: K and V each have their own loading warps, which follow the list
-  // independently, so that the two caches' copies are issued side by side (at 16-key pages a block
-  // is 16 TMA boxes per cache, issued one lane at a time). Whole blocks travel by TMA, one warp per
-  // cache (the other two producer warps leave once Q is loaded, taking no issue slots from the
-  // consumers); where TMA cannot address the caches, two warps per cache gather every block. The
-  // full barriers expect one arrival per loading warp of their cache.
-  __device__ static int kv_load_warps(const OskKernelParams& kp) {
-    return kp.kv_tma ? 1 : Traits::kNumProducerThreads / 64;
-  }
-
-  // Loads key block `block` of one cache into stage buffer `stage` and arrives on `full`; `page` is
-  // lane_page() of the block, `warp` this warp's index among the `num_warps` loading warps. Whole
-  // blocks travel by TMA (one box per page and 64-column half); the block holding Lk is gathered
-  // with cp.async, zero-filling the keys past Lk (the rest of that page may hold anything, NaN
-  // included, and P = 0 times NaN would still poison P V).
-  __device__ static void load_kv_block(const OskKernelParams& kp, const OskTile& t,
-                                       const KVSource& src, int stage, int block, int page,
-                                       uint64_t* full, int warp, int num_warps, int lane) {
-    const uint32_t smem_tile = src.smem + stage * kTileBytes;
-    const bool whole_block = kp.kv_tma && block >= 0 && (block + 1) * kBlockN <= t.seqlen_k;
-    if (whole_block) {  // one loading warp per cache (kv_load_warps)
-      constexpr int kHalves = Traits::kHeadDim / 64;
-      constexpr uint32_t kHalfBytes = kBlockN * 64 * sizeof(Element);
-      const int log2_box_rows = kp.log2_page_size < 7 ? kp.log2_page_size : 7;  // a page or a block
-      const int pages = kBlockN >> log2_box_rows;
-      const int row_in_page =
-          kp.log2_page_size >= 7 ? (block * kBlockN) & ((1 << kp.log2_page_size) - 1) : 0;
-      if (lane == 0) { MBarrier::arrive_expect_tx(full, kTileBytes); }
-      __syncwarp();
-      const int box_page = lane / kHalves;
-      const int half = lane % kHalves;
-      const int page_of_box = __shfl_sync(0xffffffffu, page, box_page);
-      if (lane < pages * kHalves) {
-        tma_load_4d(smem_tile + half * kHalfBytes +
-                        ((box_page << log2_box_rows) * 64 * uint32_t(sizeof(Element))),
-                    src.tma, full, half * 64, t.head_kv, row_in_page, page_of_box);
-      }
-    } else {
-      gather_kv_block(kp, t, smem_tile, src.src_head, src.page_stride, src.row_stride, block, page,
-                      warp, num_warps, lane);
-      MBarrier::hold_for_cp_async(full);
-      __syncwarp();
-      if (lane == 0) { MBarrier::arrive(full); }
-    }
-  }
 
   __device__ static void load(const OskKernelParams& kp, const OskTile& t, Storage& storage) {
     const OskParams& args = kp.args;
@@ -216,7 +97,7 @@ struct OskMainloop {
       MBarrier::arrive_on_cp_async(&storage.q_full);
     }
     const int warp = thread / 32;
-    const int warps_per_cache = kv_load_warps(kp);
+    const int warps_per_cache = PagedKV::kv_load_warps(kp);
     if (warp >= 2 * warps_per_cache) {
       cp_async_wait_all();  // leave only once this thread's Q copies have landed
       return;
@@ -244,18 +125,18 @@ struct OskMainloop {
     // no copy waits on a page-table read.
     int list_window = t.first_entries;
     int block = __shfl_sync(0xffffffffu, list_window, 0);
-    int page = lane_page(kp, t, block, lane);
+    int page = PagedKV::lane_page(kp, t, block, lane);
     for (int k = 0; k < t.count; ++k) {
       const int stage = k % kStages;
       MBarrier::wait(&empty[stage], ((k / kStages) & 1) ^ 1);
-      load_kv_block(kp, t, src, stage, block, page, &full[stage], cache_warp, warps_per_cache,
-                    lane);
+      PagedKV::load_kv_block(kp, t, src, stage, block, page, &full[stage], cache_warp,
+                             warps_per_cache, lane);
       const int next = k + 1;
       if ((next & 31) == 0 && next < t.count) {
         list_window = next + lane < t.count ? list[next + lane] : 0;
       }
       block = next < t.count ? __shfl_sync(0xffffffffu, list_window, next & 31) : -1;
-      page = lane_page(kp, t, block, lane);
+      page = PagedKV::lane_page(kp, t, block, lane);
     }
     // Stay resident until this thread's copies have landed.
     cp_async_wait_all();
