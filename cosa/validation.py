@@ -1,7 +1,7 @@
 """The Python types of the API's arguments (cosa.api), checked before anything reads them.
 
 The argument contract itself (devices, dtypes, shapes, values, the contents of the index tensors)
-is written once, in C++ (csrc/torch_binding.cpp), and every path runs it: the CUDA ops, the CPU
+is written once, in C++ (csrc/binding/contract.cpp), and every path runs it: the CUDA ops, the CPU
 ops (cosa/ops.py) and the wrappers, through ``torch.ops.cosa.check_args``. What the C++ side cannot
 see is the Python type of an argument: the op schemas would coerce ``stride=True`` to 1 and refuse
 ``stride=8.0``, or an int past int64, with a RuntimeError that names no argument. This module refuses

@@ -192,10 +192,13 @@ class CosaAttentionImpl(FlashAttentionImpl):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if not cosa.cuda_kernels_available():
+        if not cosa.cuda_kernels_built():
             raise RuntimeError("the CoSA vLLM backend needs cosa's CUDA kernels, which this install lacks "
                                f"({cosa._C_IMPORT_ERROR or 'built without them'}); reinstall cosa with "
                                "TORCH_CUDA_ARCH_LIST=9.0 on a machine with nvcc")
+        if not cosa.cuda_kernels_available():
+            raise RuntimeError("the CoSA vLLM backend needs a Hopper GPU (compute capability 9.0): cosa's "
+                               "kernels are built for sm_90a")
         self.settings = vllm_plugin.Settings.from_additional_config(get_current_vllm_config().additional_config)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
