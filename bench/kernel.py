@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import statistics
 import sys
 import traceback
 from dataclasses import dataclass
@@ -799,7 +800,8 @@ class Bench:
         """KAP's share of FA4 dense, the number its target is stated in, from KAP as the backend runs it
         (device checks off) and FA4 timed in PAIRED_ROUNDS interleaved rounds on the same inputs
         (common.interleaved_ms): the median of the per-round ratios and its quartiles go into
-        ``row`` (``frac_of_fa4_paired``, ``frac_of_fa4_paired_quartiles``). Rows timed one after
+        ``row`` (``frac_of_fa4_paired``, ``frac_of_fa4_paired_quartiles``, and FA4's median round
+        ``fa4_ms_paired``, so that a run without the dense section still says FA4's time). Rows timed one after
         another differ by a few percent from run to run, as much as the margins this share is read
         for."""
         if self.fa4 is None or not self.peer_runs("fa4"):
@@ -815,6 +817,7 @@ class Bench:
         q1, q3 = paired_ratio_quartiles(times["kap"], times["fa4"])
         row["frac_of_fa4_paired"] = share
         row["frac_of_fa4_paired_quartiles"] = [q1, q3]
+        row["fa4_ms_paired"] = statistics.median(times["fa4"])
         row["note"] += (f"; {100 * share:.2f}% of FA4 dense in {PAIRED_ROUNDS} paired rounds "
                         f"[{100 * q1:.2f} {100 * q3:.2f}]")
         progress(f"  kap/{row['impl']} n={ctx['n']}: {100 * share:.2f}% of FA4 dense, paired")

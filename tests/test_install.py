@@ -162,7 +162,7 @@ def test_setup_sh_reuses_its_build_on_a_second_run(tmp_path):
 
     first = setup_sh()
     assert "cosa setup.sh: building cosa" in first and "cosa setup.sh: built in " in first
-    assert "cosa setup.sh: [1/1] compiled csrc/torch_binding.cpp" in first  # the build's progress
+    assert re.search(r"cosa setup\.sh: \[1/\d+\] compiled csrc/", first)  # the build's progress
     assert list((copy / "third_party").glob("__pycache__/*.pyc")), "no bytecode written: the check cannot fail"
     second = setup_sh()
     assert "cosa setup.sh: reusing " in second and "building" not in second
