@@ -598,14 +598,23 @@ def parse_args(argv=None):
     return args
 
 
+def why_no_kernels(cosa_mod) -> str:
+    """Why cosa's CUDA kernels cannot run here: not built, or built but no Hopper GPU in sight."""
+    if not cosa_mod.cuda_kernels_built():
+        return ("the timed rows need cosa built with its CUDA kernels (see the README's Install); torch.ops.cosa "
+                f"has none here ({cosa_mod._C_IMPORT_ERROR or 'a CPU-only build'})")
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return f"cosa's CUDA kernels need a Hopper GPU (compute capability 9.0); torch sees {names or 'none'}"
+
+
 def lists_main(args) -> int:
     """``--lists-only``: capture on ``args.device``, then KAP's lists of every layer at both precisions."""
     import cosa
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not cosa.cuda_kernels_available():
-        print("bench/layers.py --lists-only on a GPU needs cosa built with its CUDA kernels; use --device cpu for "
-              "the reference", file=sys.stderr)
+        print(f"bench/layers.py --lists-only on a GPU: {why_no_kernels(cosa)}; use --device cpu for the reference",
+              file=sys.stderr)
         return 2
     meta, json_path = start_run(args.out, "layers")
     captured, facts = capture_layers(args.model, args.haystack, args.n, args.layers, args.seed, device,
@@ -653,8 +662,7 @@ def main(argv=None) -> int:
     import cosa
 
     if not cosa.cuda_kernels_available():
-        print("bench/layers.py needs cosa built with its CUDA kernels (see the README's Install); "
-              f"torch.ops.cosa has none here ({cosa._C_IMPORT_ERROR or 'a CPU-only build'}).", file=sys.stderr)
+        print(f"bench/layers.py: {why_no_kernels(cosa)}", file=sys.stderr)
         return 2
     meta, json_path = start_run(args.out, "layers")
     fa4, why = load_fa4()

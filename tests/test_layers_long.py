@@ -56,3 +56,15 @@ def test_ideal_time_share_of_kap_and_time_weighted_speedup():
     assert summary["cosa"]["x_fa4"] == pytest.approx((80 / 25 + 40 / 20) / 2)
     assert summary["cosa"]["x_cudnn_tw"] == pytest.approx(2.0)
 
+
+
+def test_why_the_kernels_cannot_run_names_the_cause(monkeypatch):
+    import types
+
+    unbuilt = types.SimpleNamespace(cuda_kernels_built=lambda: False, _C_IMPORT_ERROR=None)
+    assert "built with its CUDA kernels" in layers.why_no_kernels(unbuilt)
+    built = types.SimpleNamespace(cuda_kernels_built=lambda: True, _C_IMPORT_ERROR=None)
+    monkeypatch.setattr(layers.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(layers.torch.cuda, "get_device_name", lambda i: "NVIDIA A100-SXM4-80GB")
+    message = layers.why_no_kernels(built)
+    assert "Hopper" in message and "A100" in message
