@@ -65,7 +65,8 @@ def worker(args) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    import accuracy
+    import accuracy_tasks
+    import models
 
     settings = {"min_prefill_tokens": args.min_prefill_tokens}
     kwargs = dict(model=args.model, dtype="bfloat16", seed=0, enable_prefix_caching=False,
@@ -76,7 +77,7 @@ def worker(args) -> int:
     if long_phase:
         config = json.loads((Path(args.model) / "config.json").read_text())
         kwargs["max_model_len"] = yarn_positions(args)
-        kwargs["hf_overrides"] = {"rope_parameters": accuracy.yarn_rope_parameters(config, args.yarn_factor)}
+        kwargs["hf_overrides"] = {"rope_parameters": models.yarn_rope_parameters(config, args.yarn_factor)}
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result = {"impl": args.worker, "phase": args.phase, "startup_s": time.perf_counter() - started,
@@ -84,7 +85,7 @@ def worker(args) -> int:
               "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
               "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
     tokenizer = llm.get_tokenizer()
-    sentences = accuracy.haystack_sentences(args.haystack)
+    sentences = accuracy_tasks.haystack_sentences(args.haystack)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
     routing = None
     if args.worker == "cosa":
@@ -99,7 +100,7 @@ def worker(args) -> int:
         return [o.outputs[0].text for o in outs]
 
     def ttft(n: int, seed: int) -> float:
-        ids = accuracy.haystack_token_ids(tokenizer, args.haystack, n, seed)
+        ids = accuracy_tasks.haystack_token_ids(tokenizer, args.haystack, n, seed)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         generate([ids], 1)
@@ -114,11 +115,11 @@ def worker(args) -> int:
         result["needle"] = []
         for n in args.needle_lengths:
             progress(f"{args.worker}: needles at {n}")
-            prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, seed, sentences)[:2]
+            prompts = [accuracy_tasks.build_prompt(tokenizer, "niah_single", n, seed, sentences)[:2]
                        for seed in range(NEEDLE_SAMPLES)]
             texts = generate([ids for ids, _ in prompts], NEEDLE_NEW_TOKENS)
             result["needle"] += [{"n": n, "seed": seed, "tokens": len(ids), "text": text,
-                                  "score": accuracy.score_answer(text, answers)}
+                                  "score": accuracy_tasks.score_answer(text, answers)}
                                  for seed, ((ids, answers), text) in enumerate(zip(prompts, texts))]
     result["ttft"] = []
     for n in lengths:
@@ -137,11 +138,11 @@ def worker(args) -> int:
             routing.ROUTING.reset()
         n_max = max(args.lengths)
         sizes = [int(n_max * (0.25 + 0.75 * i / max(1, args.batch - 1))) for i in range(args.batch)]
-        prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, 1000 + i, sentences)[:2]
+        prompts = [accuracy_tasks.build_prompt(tokenizer, "niah_single", n, 1000 + i, sentences)[:2]
                    for i, n in enumerate(sizes)]
         texts = generate([ids for ids, _ in prompts], NEEDLE_NEW_TOKENS)
         result["batch"] = {"sizes": [len(ids) for ids, _ in prompts], "texts": texts,
-                           "scores": [accuracy.score_answer(t, a) for t, (_, a) in zip(texts, prompts)],
+                           "scores": [accuracy_tasks.score_answer(t, a) for t, (_, a) in zip(texts, prompts)],
                            "routing": counts()}
     result["routing_total"] = counts()
     Path(args.result_file).write_text(json.dumps(result))
