@@ -1226,7 +1226,8 @@ def test_long_context_arguments_and_no_gpu(capsys):
 def test_vllm_e2e_arguments(tmp_path, capsys):
     for bad, message in ((["--reps", "0"], "--reps"), (["--lengths", "0"], "positive"),
                          (["--gpu-memory-utilization", "1.5"], "utilization"), (["--batch", "-1"], "--batch"),
-                         (["--yarn-factor", "0.5"], "--yarn-factor"), (["--min-prefill-tokens", "0"], "--min-prefill")):
+                         (["--yarn-factor", "0.5"], "--yarn-factor"), (["--min-prefill-tokens", "0"], "--min-prefill"),
+                         (["--tensor-parallel-size", "0"], "--tensor-parallel-size")):
         with pytest.raises(SystemExit):
             vllm_e2e.parse_args(["--model", str(tmp_path), *bad])
         assert message in capsys.readouterr().err
@@ -1248,6 +1249,33 @@ def test_vllm_e2e_rows_compare_both_engines():
     results[("cosa", "main")] = engine("cosa", ["a", "c"], [1.0, 0.0], 200.0)
     rows, failures = vllm_e2e.compare(results)
     assert len(failures) == 2 and not [r for r in rows if r["kind"] == "vllm" and r["impl"] == "cosa"][0]["answers_match"]
+
+
+def test_vllm_e2e_under_tensor_parallelism_fails_when_ranks_route_apart():
+    """Every rank routes the same batch: counts that differ between ranks fail the run; the rows say the
+    tensor-parallel size."""
+    def engine(impl, disagreements):
+        return {"impl": impl, "short": ["a"], "needle": [], "tensor_parallel_size": 2,
+                "routing_disagreements": disagreements,
+                "ttft": [{"n": 8192, "ttft_ms": 100.0, "routing_before": {}, "routing_after": {}}]}
+
+    results = {("flash_attn", "main"): engine("flash_attn", []), ("cosa", "main"): engine("cosa", [])}
+    rows, failures = vllm_e2e.compare(results)
+    assert not failures and {r["tp"] for r in rows if r["kind"] == "vllm"} == {2}
+    results[("cosa", "main")] = engine("cosa", [[{"requests": {"cosa": 1}}, {"requests": {"cosa": 2}}]])
+    _, failures = vllm_e2e.compare(results)
+    assert failures == ["engine cosa (main): the ranks' routing counts differ (1 reads)"]
+
+
+def test_vllm_e2e_reads_and_resets_each_ranks_routing_counts():
+    """The functions vLLM's collective_rpc runs on each worker read and zero that process's counts."""
+    from cosa.integrations import vllm_plugin
+
+    vllm_plugin.ROUTING.reset()
+    vllm_plugin.ROUTING.add(vllm_plugin.route(torch.tensor([0, 5000], dtype=torch.int32), torch.tensor([5000]), 4096))
+    assert vllm_e2e.rank_routing_counts(None)["requests"] == {"cosa": 1}
+    vllm_e2e.reset_rank_routing(None)
+    assert vllm_e2e.rank_routing_counts(None) == vllm_plugin.routing_counts() == vllm_plugin.RoutingCounts().snapshot()
 
 
 def test_long_context_reference_blocks_are_the_reference_rows():
