@@ -248,7 +248,8 @@ def main(argv=None) -> int:
         require_cuda(f"bench/e2e.py with the {args.config} configuration (use --config tiny on the CPU)")
     meta, json_path = start_run(args.out, "e2e")
     if args.model:
-        from accuracy import haystack_token_ids, load_model
+        from accuracy_tasks import haystack_token_ids
+        from models import load_model
 
         model, tokenizer, name = load_model(args.model, args.device, torch.bfloat16)
         title = f"{name} (trained weights, real text)"

@@ -167,7 +167,8 @@ def capture_qkv(model, input_ids, layers) -> dict:
 
 
 def model_rows(args) -> list[dict]:
-    from accuracy import haystack_token_ids, load_model
+    from accuracy_tasks import haystack_token_ids
+    from models import load_model
 
     progress(f"loading {args.model}")
     model, tokenizer, name = load_model(args.model, args.device, torch.bfloat16)

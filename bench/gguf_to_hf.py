@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     if src.suffix != ".gguf" or not src.is_file():
         p.error(f"gguf: {src} is not a .gguf file")
 
-    from accuracy import load_model
+    from models import load_model
 
     progress(f"dequantising {src}")
     model, tokenizer, _ = load_model(str(src), "cpu", getattr(torch, args.dtype))

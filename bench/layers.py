@@ -43,7 +43,7 @@ With ``--lists-only`` nothing is timed, and the run needs no GPU (``--device cpu
 and computes the lists with the ops' CPU path, the PyTorch reference): per layer only the ``kap`` and
 ``kap-fp8`` rows, their stage-1 budgets and the fp8 lists' agreement with the native ones. With
 ``--save-ab-inputs FILE`` it also writes each layer's Q/K/V and KAP's lists at the defaults (the
-proxy precision ``auto`` resolves to at this length) for ``bench/kernel_ab.py --inputs FILE``, which
+proxy precision ``auto`` resolves to at this length) for ``dev/kernel_ab.py --inputs FILE``, which
 times OSK variants side by side on them. The file, little-endian: the bytes ``COSAOSK1``; int32
 tokens, query heads, KV heads, head dim, layers; then per layer int32 layer index, float32 softmax
 scale, q ``[tokens, Hq, d]``, k and v ``[tokens, Hkv, d]`` (bf16), order ``[Hq, tokens/128,
@@ -157,7 +157,8 @@ def capture_layers(model_path: str, haystack: str, n: int, layers: list[int] | N
     """``({layer: (q, k, v, scale)}, facts)``: one forward pass of the model (YaRN rope scaling by
     ``yarn_factor`` when given) over ``n`` tokens of the haystack's text, q ``[n, Hq, d]`` and k, v
     ``[n, Hkv, d]`` on ``device``. The model is released on return."""
-    from accuracy import haystack_token_ids, load_model
+    from accuracy_tasks import haystack_token_ids
+    from models import load_model
     from fidelity import capture_qkv
 
     model, tokenizer, name = load_model(model_path, device, torch.bfloat16, yarn_factor)
@@ -579,7 +580,7 @@ def parse_args(argv=None):
                    help="where the model and the ops run (auto, the default: the GPU when torch sees one); "
                         "cpu only with --lists-only, where the ops run as the PyTorch reference")
     p.add_argument("--save-ab-inputs", metavar="FILE",
-                   help="with --lists-only: also write each layer's Q/K/V and KAP's lists for bench/kernel_ab.py --inputs")
+                   help="with --lists-only: also write each layer's Q/K/V and KAP's lists for dev/kernel_ab.py --inputs")
     p.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"), help="folder for the results")
     args = p.parse_args(argv)

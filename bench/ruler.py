@@ -75,10 +75,10 @@ TARGET_MAX_GAP, TARGET_MIN_DIFF_LOW, TARGET_MIN_SAMPLES = 0.01, -0.02, 50
 
 def yarn_rope_parameters(model_dir: str, factor: float) -> tuple[dict, int]:
     """``(rope_parameters, positions)``: YaRN over the model's own positions and rope theta
-    (accuracy.yarn_rope_parameters), and the positions it then has."""
-    import accuracy
+    (models.yarn_rope_parameters), and the positions it then has."""
+    import models
 
-    rope = accuracy.yarn_rope_parameters(json.loads((Path(model_dir) / "config.json").read_text()), factor)
+    rope = models.yarn_rope_parameters(json.loads((Path(model_dir) / "config.json").read_text()), factor)
     return rope, int(rope["original_max_position_embeddings"] * factor)
 
 
@@ -259,6 +259,7 @@ def run_transformers(args, results: Results, device: str) -> None:
     import torch
 
     import accuracy
+    import models
 
     state = results.state
     budget_cells = []
@@ -282,8 +283,8 @@ def run_transformers(args, results: Results, device: str) -> None:
         peers_here = [(t, n, todo) for t, n, todo in peer_cells if n in lengths and todo]
         if not here and not peers_here:
             continue
-        model, tokenizer, _ = accuracy.load_model(args.model, device, torch.bfloat16,
-                                                  args.yarn_factor if yarn else None)
+        model, tokenizer, _ = models.load_model(args.model, device, torch.bfloat16,
+                                                args.yarn_factor if yarn else None)
         runner = accuracy.Runner(model, hf_settings(args))
         prompts = Prompts(tokenizer, sources, results, args.seed)
         for task, n, todo in here:

@@ -16,7 +16,10 @@ default chunked prefill:
   scheduler cut chunks at arbitrary token counts: the routing counts say how many long chunks
   CoSA could not take because their prefix is not a multiple of 128.
 With ``--long-lengths`` a second pair of engines measures time to first token past the model's
-32K positions with YaRN rope scaling (``--yarn-factor``), as Qwen2.5 documents it.
+32K positions with YaRN rope scaling (``--yarn-factor``), as Qwen2.5 documents it. With
+``--tensor-parallel-size N`` each engine shards the model over N GPUs (vLLM's workers, one process
+per rank, each running the backend on its rank's heads); the routing counts are read from every rank
+and must agree, since every rank routes the same batch.
 
 Rows: ``{"kind": "vllm", "impl": "cosa" | "flash_attn", "n", "ttft_ms", "answers_match"}`` and, for
 the other phases, ``kind`` ``vllm-short``, ``vllm-needle`` and ``vllm-batch``; the CoSA worker's
@@ -59,39 +62,59 @@ NEEDLE_SAMPLES = 4
 ACCOUNT_SPAN = "cosa_bench_ttft"  # the profiled request's host-side span in the trace
 
 
+def rank_routing_counts(_worker) -> dict:
+    """This rank's routing counts (run on each of vLLM's workers by ``collective_rpc``)."""
+    from cosa.integrations import vllm_plugin
+    return vllm_plugin.routing_counts()
+
+
+def reset_rank_routing(_worker) -> None:
+    """Zeroes this rank's routing counts (run on each of vLLM's workers by ``collective_rpc``)."""
+    from cosa.integrations import vllm_plugin
+    vllm_plugin.ROUTING.reset()
+
+
 def worker(args) -> int:
     """One engine: every phase on it, the results as JSON in --result-file."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    import accuracy
+    import accuracy_tasks
+    import models
 
     settings = {"min_prefill_tokens": args.min_prefill_tokens}
     kwargs = dict(model=args.model, dtype="bfloat16", seed=0, enable_prefix_caching=False,
-                  gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=IMPLS[args.worker])
+                  gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=IMPLS[args.worker],
+                  tensor_parallel_size=args.tensor_parallel_size)
     if args.worker == "cosa":
         kwargs["additional_config"] = {"cosa": settings}
     long_phase = args.phase == "long"
     if long_phase:
         config = json.loads((Path(args.model) / "config.json").read_text())
         kwargs["max_model_len"] = yarn_positions(args)
-        kwargs["hf_overrides"] = {"rope_parameters": accuracy.yarn_rope_parameters(config, args.yarn_factor)}
+        kwargs["hf_overrides"] = {"rope_parameters": models.yarn_rope_parameters(config, args.yarn_factor)}
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result = {"impl": args.worker, "phase": args.phase, "startup_s": time.perf_counter() - started,
+              "tensor_parallel_size": args.tensor_parallel_size,
               "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
               "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
               "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
     tokenizer = llm.get_tokenizer()
-    sentences = accuracy.haystack_sentences(args.haystack)
+    sentences = accuracy_tasks.haystack_sentences(args.haystack)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
-    routing = None
-    if args.worker == "cosa":
-        from cosa.integrations import vllm_plugin as routing
+    routing = args.worker == "cosa"
+    result["routing_disagreements"] = []
 
     def counts():
-        return routing.routing_counts() if routing else None
+        """Rank 0's routing counts; a rank whose counts differ is recorded."""
+        if not routing:
+            return None
+        ranks = llm.collective_rpc(rank_routing_counts)
+        if any(r != ranks[0] for r in ranks[1:]):
+            result["routing_disagreements"].append(ranks)
+        return ranks[0]
 
     def generate(prompts, new_tokens):
         outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], greedy(new_tokens),
@@ -99,7 +122,7 @@ def worker(args) -> int:
         return [o.outputs[0].text for o in outs]
 
     def ttft(n: int, seed: int) -> float:
-        ids = accuracy.haystack_token_ids(tokenizer, args.haystack, n, seed)
+        ids = accuracy_tasks.haystack_token_ids(tokenizer, args.haystack, n, seed)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         generate([ids], 1)
@@ -114,11 +137,11 @@ def worker(args) -> int:
         result["needle"] = []
         for n in args.needle_lengths:
             progress(f"{args.worker}: needles at {n}")
-            prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, seed, sentences)[:2]
+            prompts = [accuracy_tasks.build_prompt(tokenizer, "niah_single", n, seed, sentences)[:2]
                        for seed in range(NEEDLE_SAMPLES)]
             texts = generate([ids for ids, _ in prompts], NEEDLE_NEW_TOKENS)
             result["needle"] += [{"n": n, "seed": seed, "tokens": len(ids), "text": text,
-                                  "score": accuracy.score_answer(text, answers)}
+                                  "score": accuracy_tasks.score_answer(text, answers)}
                                  for seed, ((ids, answers), text) in enumerate(zip(prompts, texts))]
     result["ttft"] = []
     for n in lengths:
@@ -134,14 +157,14 @@ def worker(args) -> int:
     if not long_phase and args.batch:
         progress(f"{args.worker}: a batch of {args.batch} mixed-length prompts")
         if routing:
-            routing.ROUTING.reset()
+            llm.collective_rpc(reset_rank_routing)
         n_max = max(args.lengths)
         sizes = [int(n_max * (0.25 + 0.75 * i / max(1, args.batch - 1))) for i in range(args.batch)]
-        prompts = [accuracy.build_prompt(tokenizer, "niah_single", n, 1000 + i, sentences)[:2]
+        prompts = [accuracy_tasks.build_prompt(tokenizer, "niah_single", n, 1000 + i, sentences)[:2]
                    for i, n in enumerate(sizes)]
         texts = generate([ids for ids, _ in prompts], NEEDLE_NEW_TOKENS)
         result["batch"] = {"sizes": [len(ids) for ids, _ in prompts], "texts": texts,
-                           "scores": [accuracy.score_answer(t, a) for t, (_, a) in zip(texts, prompts)],
+                           "scores": [accuracy_tasks.score_answer(t, a) for t, (_, a) in zip(texts, prompts)],
                            "routing": counts()}
     result["routing_total"] = counts()
     Path(args.result_file).write_text(json.dumps(result))
@@ -179,7 +202,8 @@ def run_worker(args, impl: str, phase: str) -> dict | str:
            "--model", args.model, "--lengths", *map(str, args.lengths), "--needle-lengths", *map(str, args.needle_lengths),
            "--long-lengths", *map(str, args.long_lengths), "--reps", str(args.reps), "--batch", str(args.batch),
            "--min-prefill-tokens", str(args.min_prefill_tokens), "--yarn-factor", str(args.yarn_factor),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.account:
         cmd.append("--account")
     if args.haystack:
@@ -229,8 +253,12 @@ def compare(results: dict) -> tuple[list[dict], list[str]]:
             res = results.get((impl, phase))
             if not isinstance(res, dict):
                 continue
+            if res.get("routing_disagreements"):
+                failures.append(f"engine {impl} ({phase}): the ranks' routing counts differ "
+                                f"({len(res['routing_disagreements'])} reads)")
             for t in res["ttft"]:
-                row = {"kind": "vllm", "impl": impl, "n": t["n"], "ttft_ms": t["ttft_ms"], "phase": phase}
+                row = {"kind": "vllm", "impl": impl, "n": t["n"], "ttft_ms": t["ttft_ms"], "phase": phase,
+                       "tp": res.get("tensor_parallel_size", 1)}
                 if impl == "cosa" and isinstance(base, dict):
                     flash_ms = {b["n"]: b["ttft_ms"] for b in base["ttft"]}.get(t["n"])
                     row["x_flash_attn"] = flash_ms / t["ttft_ms"] if flash_ms else None
@@ -283,6 +311,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=8, help="prompts of the mixed-length batch (0: none)")
     ap.add_argument("--min-prefill-tokens", type=int, default=4096, help="CoSA's min_prefill_tokens setting")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs each engine shards the model over (vLLM's tensor parallelism; default 1)")
     ap.add_argument("--haystack", default=None, help="folder of .txt essays for the prompts (default: synthetic filler)")
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     ap.add_argument("--account", action="store_true",
@@ -307,6 +337,8 @@ def parse_args(argv=None):
         ap.error("--yarn-factor must be greater than 1")
     if args.min_prefill_tokens < 1:
         ap.error("--min-prefill-tokens must be at least 1")
+    if args.tensor_parallel_size < 1:
+        ap.error("--tensor-parallel-size must be at least 1")
     return args
 
 
@@ -348,7 +380,7 @@ def main(argv=None) -> int:
     failures += check_failures
     if args.plot:
         plot(rows, json_path.with_suffix(".png"), Path(args.model).name)
-    print(format_table(rows, ["kind", "impl", "phase", "n", "ttft_ms", "x_flash_attn", "score", "score_flash",
+    print(format_table(rows, ["kind", "impl", "phase", "tp", "n", "ttft_ms", "x_flash_attn", "score", "score_flash",
                               "answers_match", "cosa_tokens"]))
     accounts = account_rows(results)
     if accounts:

@@ -25,6 +25,7 @@ from helpers import require_transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import accuracy  # noqa: E402
+import accuracy_tasks  # noqa: E402
 import common  # noqa: E402
 import e2e  # noqa: E402
 import fidelity  # noqa: E402
@@ -51,8 +52,8 @@ def tiny_model_dir(tmp_path_factory):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    words = {w for part in accuracy._FILLER_WORDS.values() for phrase in part for w in phrase.split()}
-    words |= set(accuracy._KEY_WORDS) | set(accuracy._KEY_NOUNS) | set(accuracy.NIAH_INTRO.split())
+    words = {w for part in accuracy_tasks._FILLER_WORDS.values() for phrase in part for w in phrase.split()}
+    words |= set(accuracy_tasks._KEY_WORDS) | set(accuracy_tasks._KEY_NOUNS) | set(accuracy_tasks.NIAH_INTRO.split())
     vocab = ["<unk>", "<s>", "</s>"] + sorted(words) + list("0123456789.,:?-=") + list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
     vocab = {w: i for i, w in enumerate(dict.fromkeys(vocab))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -150,7 +151,7 @@ def test_accuracy_cpu(tmp_path, tiny_model_dir):
     expected = {(m, "stage1" if m in accuracy.proxies.PEERS else None) for m in accuracy.METHODS}
     assert arms(data["samples"]) == arms(data["scores"]) == arms(data["summary"]) == expected
     assert {(r["method"], r["task"]) for r in data["scores"]} == {(m, t) for m in accuracy.METHODS
-                                                                  for t in accuracy.TASKS}
+                                                                  for t in accuracy_tasks.TASKS}
     assert all(r["tokens"] <= 512 for r in data["samples"])
     assert data["dropped"] == [] and data["config"]["match"] == ["stage1"]
     for r in data["scores"] + data["summary"]:
@@ -393,7 +394,7 @@ def test_stage1_matching_gives_each_peer_cosas_list_lengths(tiny_model_dir, monk
                                 "--match", "stage1,realised"])
     model, tokenizer, _ = accuracy.load_model(str(tiny_model_dir), "cpu", torch.bfloat16)
     runner = accuracy.Runner(model, args)
-    ids = accuracy.haystack_token_ids(tokenizer, None, 1024)
+    ids = accuracy_tasks.haystack_token_ids(tokenizer, None, 1024)
     kap_lists = accuracy.kap_lists
     cuts = torch.Generator().manual_seed(0)
 
@@ -445,7 +446,7 @@ def test_accuracy_skip_only_where_the_method_has_it(tiny_model_dir, monkeypatch)
                                 "--delta", "300", "--vote", "tile", "--match", "none"])
     model, tokenizer, _ = accuracy.load_model(str(tiny_model_dir), "cpu", torch.bfloat16)
     runner = accuracy.Runner(model, args)
-    ids = accuracy.haystack_token_ids(tokenizer, None, 512)
+    ids = accuracy_tasks.haystack_token_ids(tokenizer, None, 512)
     runner.new_prompt()
     for method, match in accuracy.arms_of(args):
         _, budgets = runner.run(method, match, lambda: accuracy.tail_nll(model, ids), ids)
@@ -518,18 +519,18 @@ def test_kap_ascending_matched_starts_from_the_previous_prompts_answer(tiny_mode
     assert abs(accuracy.skipped_share(budgets) - 0.42) <= accuracy.EQUAL_SKIP_TOLERANCE
 
 
-@pytest.mark.parametrize("task", accuracy.TASKS)
+@pytest.mark.parametrize("task", accuracy_tasks.TASKS)
 def test_prompts_fit_and_hold_their_answers(task, tiny_model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    sentences = accuracy.haystack_sentences(None)
-    ids, answers, count = accuracy.build_prompt(tokenizer, task, 1024, 0, sentences)
+    sentences = accuracy_tasks.haystack_sentences(None)
+    ids, answers, count = accuracy_tasks.build_prompt(tokenizer, task, 1024, 0, sentences)
     assert 900 < len(ids) <= 1024 and count > 0
     text = tokenizer.decode(ids).replace(" ", "")
     assert answers and all(a.replace(" ", "") in text for a in answers)
-    assert accuracy.score_answer(" ".join(answers), answers) == 1.0
-    assert accuracy.score_answer("nothing", answers) == 0.0
+    assert accuracy_tasks.score_answer(" ".join(answers), answers) == 1.0
+    assert accuracy_tasks.score_answer("nothing", answers) == 0.0
 
 
 def test_essay_question_asks_for_the_sentence_that_follows_a_unique_one():
@@ -540,18 +541,18 @@ def test_essay_question_asks_for_the_sentence_that_follows_a_unique_one():
            "This sentence appears twice in the haystack and cannot be asked about.",
            "Every later paragraph repeats the earlier point about rivers and water.",
            "Nothing follows this closing remark about harbours."]
-    question, answers = accuracy.essay_question(hay, 0.0)
+    question, answers = accuracy_tasks.essay_question(hay, 0.0)
     # The nearest askable sentence to depth 0: index 2 (index 1 occurs twice, index 0 is too short).
     assert '"Cities were built near rivers because water carried goods cheaply."' in question
     assert answers == ["merchants", "gathered", "wherever", "unloaded"]  # longest first, then earliest
-    assert accuracy.score_answer(hay[3], answers) == 1.0
-    assert accuracy.score_answer(hay[2], answers) == 0.0  # echoing the quoted sentence scores nothing
+    assert accuracy_tasks.score_answer(hay[3], answers) == 1.0
+    assert accuracy_tasks.score_answer(hay[2], answers) == 0.0  # echoing the quoted sentence scores nothing
     # Near the end: index 5, whose answers skip "about", a word of its own.
-    question, answers = accuracy.essay_question(hay, 1.0)
+    question, answers = accuracy_tasks.essay_question(hay, 1.0)
     assert question.count("Every later paragraph") == 1
     assert answers == ["harbours", "nothing", "follows", "closing"]
     with pytest.raises(ValueError, match="no sentence of a 2-sentence haystack"):
-        accuracy.essay_question(hay[:2], 0.5)
+        accuracy_tasks.essay_question(hay[:2], 0.5)
 
 
 def test_essay_prompt_grows_past_haystacks_too_short_to_ask_about(tiny_model_dir, monkeypatch):
@@ -561,24 +562,24 @@ def test_essay_prompt_grows_past_haystacks_too_short_to_ask_about(tiny_model_dir
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    sentences = accuracy.haystack_sentences(None)
-    real = accuracy.essay_question
+    sentences = accuracy_tasks.haystack_sentences(None)
+    real = accuracy_tasks.essay_question
 
     def askable_from_40(hay, depth):
         if len(hay) < 40:
-            raise accuracy.NothingToAsk("too short")
+            raise accuracy_tasks.NothingToAsk("too short")
         return real(hay, depth)
 
     monkeypatch.setattr(accuracy, "essay_question", askable_from_40)
-    ids, answers, count = accuracy.build_prompt(tokenizer, "essay_qa", 1024, 0, sentences)
-    assert len(ids) <= 1024 and count >= 40 and len(answers) == accuracy.ESSAY_QA_WORDS
+    ids, answers, count = accuracy_tasks.build_prompt(tokenizer, "essay_qa", 1024, 0, sentences)
+    assert len(ids) <= 1024 and count >= 40 and len(answers) == accuracy_tasks.ESSAY_QA_WORDS
 
     def never_askable(hay, depth):
-        raise accuracy.NothingToAsk("never")
+        raise accuracy_tasks.NothingToAsk("never")
 
     monkeypatch.setattr(accuracy, "essay_question", never_askable)
     with pytest.raises(ValueError, match="never"):
-        accuracy.build_prompt(tokenizer, "essay_qa", 1024, 0, sentences)
+        accuracy_tasks.build_prompt(tokenizer, "essay_qa", 1024, 0, sentences)
 
 
 def test_accuracy_resume_adds_a_task(tmp_path, tiny_model_dir, capsys):
@@ -620,23 +621,23 @@ def test_a_stored_haystack_count_renders_the_prompt_once(tiny_model_dir, monkeyp
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    sentences = accuracy.haystack_sentences(None)
-    searched = accuracy.build_prompt(tokenizer, "niah_multikey", 1024, 3, sentences)
+    sentences = accuracy_tasks.haystack_sentences(None)
+    searched = accuracy_tasks.build_prompt(tokenizer, "niah_multikey", 1024, 3, sentences)
     encode, calls = tokenizer.encode, []
     monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
-    assert accuracy.build_prompt(tokenizer, "niah_multikey", 1024, 3, sentences, searched[2]) == searched
+    assert accuracy_tasks.build_prompt(tokenizer, "niah_multikey", 1024, 3, sentences, searched[2]) == searched
     assert len(calls) == 1
-    assert accuracy.build_prompt(tokenizer, "niah_multikey", 1024, 3, sentences, 4 * searched[2]) == searched
+    assert accuracy_tasks.build_prompt(tokenizer, "niah_multikey", 1024, 3, sentences, 4 * searched[2]) == searched
     assert len(calls) > 5
 
 
 def test_haystack_from_a_text_folder(tmp_path):
     (tmp_path / "b.txt").write_text("Second file. It has two sentences!")
     (tmp_path / "a.txt").write_text("First file here.   With spacing?")
-    assert accuracy.haystack_sentences(str(tmp_path)) == ["First file here.", "With spacing?", "Second file.",
+    assert accuracy_tasks.haystack_sentences(str(tmp_path)) == ["First file here.", "With spacing?", "Second file.",
                                                           "It has two sentences!"]
-    assert len(accuracy.filler_sentences(5, 1)) == 5
-    assert accuracy.filler_sentences(5, 1) == accuracy.filler_sentences(5, 1)
+    assert len(accuracy_tasks.filler_sentences(5, 1)) == 5
+    assert accuracy_tasks.filler_sentences(5, 1) == accuracy_tasks.filler_sentences(5, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -748,7 +749,7 @@ def test_kernel_skipped_output_counts_halves():
 def haystack_dir(tmp_path):
     folder = tmp_path / "essays"
     folder.mkdir()
-    (folder / "one.txt").write_text(" ".join(accuracy.filler_sentences(300, 0)))
+    (folder / "one.txt").write_text(" ".join(accuracy_tasks.filler_sentences(300, 0)))
     return folder
 
 
@@ -1225,7 +1226,8 @@ def test_long_context_arguments_and_no_gpu(capsys):
 def test_vllm_e2e_arguments(tmp_path, capsys):
     for bad, message in ((["--reps", "0"], "--reps"), (["--lengths", "0"], "positive"),
                          (["--gpu-memory-utilization", "1.5"], "utilization"), (["--batch", "-1"], "--batch"),
-                         (["--yarn-factor", "0.5"], "--yarn-factor"), (["--min-prefill-tokens", "0"], "--min-prefill")):
+                         (["--yarn-factor", "0.5"], "--yarn-factor"), (["--min-prefill-tokens", "0"], "--min-prefill"),
+                         (["--tensor-parallel-size", "0"], "--tensor-parallel-size")):
         with pytest.raises(SystemExit):
             vllm_e2e.parse_args(["--model", str(tmp_path), *bad])
         assert message in capsys.readouterr().err
@@ -1247,6 +1249,33 @@ def test_vllm_e2e_rows_compare_both_engines():
     results[("cosa", "main")] = engine("cosa", ["a", "c"], [1.0, 0.0], 200.0)
     rows, failures = vllm_e2e.compare(results)
     assert len(failures) == 2 and not [r for r in rows if r["kind"] == "vllm" and r["impl"] == "cosa"][0]["answers_match"]
+
+
+def test_vllm_e2e_under_tensor_parallelism_fails_when_ranks_route_apart():
+    """Every rank routes the same batch: counts that differ between ranks fail the run; the rows say the
+    tensor-parallel size."""
+    def engine(impl, disagreements):
+        return {"impl": impl, "short": ["a"], "needle": [], "tensor_parallel_size": 2,
+                "routing_disagreements": disagreements,
+                "ttft": [{"n": 8192, "ttft_ms": 100.0, "routing_before": {}, "routing_after": {}}]}
+
+    results = {("flash_attn", "main"): engine("flash_attn", []), ("cosa", "main"): engine("cosa", [])}
+    rows, failures = vllm_e2e.compare(results)
+    assert not failures and {r["tp"] for r in rows if r["kind"] == "vllm"} == {2}
+    results[("cosa", "main")] = engine("cosa", [[{"requests": {"cosa": 1}}, {"requests": {"cosa": 2}}]])
+    _, failures = vllm_e2e.compare(results)
+    assert failures == ["engine cosa (main): the ranks' routing counts differ (1 reads)"]
+
+
+def test_vllm_e2e_reads_and_resets_each_ranks_routing_counts():
+    """The functions vLLM's collective_rpc runs on each worker read and zero that process's counts."""
+    from cosa.integrations import vllm_plugin
+
+    vllm_plugin.ROUTING.reset()
+    vllm_plugin.ROUTING.add(vllm_plugin.route(torch.tensor([0, 5000], dtype=torch.int32), torch.tensor([5000]), 4096))
+    assert vllm_e2e.rank_routing_counts(None)["requests"] == {"cosa": 1}
+    vllm_e2e.reset_rank_routing(None)
+    assert vllm_e2e.rank_routing_counts(None) == vllm_plugin.routing_counts() == vllm_plugin.RoutingCounts().snapshot()
 
 
 def test_long_context_reference_blocks_are_the_reference_rows():

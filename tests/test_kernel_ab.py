@@ -1,4 +1,4 @@
-"""bench/kernel_ab.py on the CPU: its arguments, the tree labels, the compiler reports, the harness's
+"""dev/kernel_ab.py on the CPU: its arguments, the tree labels, the compiler reports, the harness's
 result lines, and (where nvcc and the CUTLASS headers are) builds of two source trees into one harness
 binary, for OSK and for KAP."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dev"))
 import kernel_ab  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

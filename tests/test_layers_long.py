@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import accuracy  # noqa: E402
+import models  # noqa: E402
 import layers  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def test_yarn_factor_argument_is_checked(tmp_path):
 def test_yarn_config_keeps_theta_and_the_model_positions():
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(rope_theta=1e6, max_position_embeddings=32768)
-    config = accuracy.yarn_config(config, 4.0)
+    config = models.yarn_config(config, 4.0)
     rope = getattr(config, "rope_parameters", None) or config.rope_scaling
     assert rope == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 32768}
 

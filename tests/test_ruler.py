@@ -316,9 +316,9 @@ def test_transformers_path_reads_budgets_and_runs_the_peers(tiny_llama, data_dir
 
 def test_yarn_overrides_reach_the_transformers_model(tiny_llama):
     torch = pytest.importorskip("torch")
-    import accuracy
+    import models
 
     rope, positions = ruler.yarn_rope_parameters(str(tiny_llama), 4.0)
-    model, _, _ = accuracy.load_model(str(tiny_llama), "cpu", torch.bfloat16, yarn_factor=4.0)
+    model, _, _ = models.load_model(str(tiny_llama), "cpu", torch.bfloat16, yarn_factor=4.0)
     assert model.config.rope_parameters == rope and rope["rope_type"] == "yarn" and rope["factor"] == 4.0
     assert positions == 4 * rope["original_max_position_embeddings"]

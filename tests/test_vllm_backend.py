@@ -204,11 +204,14 @@ def vllm_cache(k, v, seqlens_k, block_size, generator):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (12, 2), (6, 1), (3, 1), (16, 4), (4, 1)],
+                         ids=["8/2", "12/2", "12/2-tp2", "12/2-tp4", "32/8-tp2", "32/8-tp8"])
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_forward_on_vllm_cache_layout_matches_reference(ops, block_size):
+def test_forward_on_vllm_cache_layout_matches_reference(ops, block_size, hq, hkv):
     """Decodes and a short prefill through vLLM's FlashAttention, three long chunks through CoSA (one
     over an aligned prefix, one over a prefix of 100 tokens, whose first 28 tokens FlashAttention
-    runs), in one call; every output row against the reference."""
+    runs), in one call; every output row against the reference. Over the head shapes of one rank
+    under tensor parallelism too (vLLM hands a rank Hq / TP query heads and max(1, Hkv / TP) KV heads)."""
     pytest.importorskip("vllm")
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -216,7 +219,7 @@ def test_forward_on_vllm_cache_layout_matches_reference(ops, block_size):
 
     from cosa.integrations.vllm_backend import CosaAttentionImpl, CosaAttentionMetadata, paged_kv, split_batch
 
-    hq, hkv, d = 8, 2, 128
+    d = 128
     q_lens = [1, 1, 300, 700, 1500, 900]
     kv_lens = [900, 45, 300, 700 + 256, 1500 + 100, 900]
     gen = torch.Generator().manual_seed(0)

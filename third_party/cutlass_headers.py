@@ -1,4 +1,4 @@
-"""Where the CUTLASS/CuTe headers are, for the Python-side builds (setup.py, bench/kernel_ab.py); the
+"""Where the CUTLASS/CuTe headers are, for the Python-side builds (setup.py, dev/kernel_ab.py); the
 CMake build follows the same rule in CMakeLists.txt. Plain Python, no imports beyond the standard
 library (and nvidia-cutlass where installed), so that it runs before torch or the extension exist."""
 

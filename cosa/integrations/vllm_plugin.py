@@ -202,8 +202,10 @@ ROUTING = RoutingCounts()
 
 
 def routing_counts() -> dict:
-    """``{"requests": {reason: n}, "tokens": {reason: n}}`` for the engine running in this process
-    (with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; otherwise the engine's own process holds them)."""
+    """``{"requests": {reason: n}, "tokens": {reason: n}}`` of the attention layers that run in this
+    process: the engine's, with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and one GPU; otherwise the worker
+    processes hold them, one per tensor-parallel rank (``LLM.collective_rpc`` reads each, as
+    bench/vllm_e2e.py does)."""
     return ROUTING.snapshot()
 
 
