@@ -570,14 +570,14 @@ def test_essay_prompt_grows_past_haystacks_too_short_to_ask_about(tiny_model_dir
             raise accuracy_tasks.NothingToAsk("too short")
         return real(hay, depth)
 
-    monkeypatch.setattr(accuracy, "essay_question", askable_from_40)
+    monkeypatch.setattr(accuracy_tasks, "essay_question", askable_from_40)
     ids, answers, count = accuracy_tasks.build_prompt(tokenizer, "essay_qa", 1024, 0, sentences)
     assert len(ids) <= 1024 and count >= 40 and len(answers) == accuracy_tasks.ESSAY_QA_WORDS
 
     def never_askable(hay, depth):
         raise accuracy_tasks.NothingToAsk("never")
 
-    monkeypatch.setattr(accuracy, "essay_question", never_askable)
+    monkeypatch.setattr(accuracy_tasks, "essay_question", never_askable)
     with pytest.raises(ValueError, match="never"):
         accuracy_tasks.build_prompt(tokenizer, "essay_qa", 1024, 0, sentences)
 

@@ -245,7 +245,7 @@ struct OskMainloop {
     // Intra-warpgroup overlap (as FlashAttention-3): the P V product of the last computed block
     // is issued right after S = Q K^T of the next one and runs while that block's mask, max and
     // vote execute (ptxas places the wait for it among the first exponentials; forcing it after
-    // them measured no faster, docs/perf-notes.md). `pv_pending` says P (in tOrP) and its V stage
+    // them measured no faster, docs/journal.md). `pv_pending` says P (in tOrP) and its V stage
     // still await that product.
     //
     // One step per list entry, compiled four times: with a P V product to issue (kPvPending) or
