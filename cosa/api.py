@@ -2,10 +2,11 @@
 ``max_seqlen_*`` (derived from the lengths when omitted, which reads them on the host), and the
 contiguous ``[B, S, H, d]`` convenience entry point.
 
-Each wrapper first checks the Python types of its arguments (cosa.validation: a TypeError naming
-the argument, before the op schema coerces or refuses them), then, when it must derive a max
-length, runs the ops' argument contract (``torch.ops.cosa.check_args``) before reading any index
-tensor, then calls the op, which runs the contract itself."""
+Each wrapper first checks its scalar arguments in Python: their types (cosa.validation: a TypeError
+naming the argument, before the op schema coerces or refuses them) and the tuning arguments' domains
+(cosa.tuning, in the words of the ops' C++ contract); then, when it must derive a max length, it runs
+the ops' argument contract (``torch.ops.cosa.check_args``) before reading any index tensor; then it
+calls the op, which runs the contract itself."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import inspect
 import torch
 
 from . import _C_AVAILABLE, _C_IMPORT_ERROR, defaults, reference, validation
+from .tuning import Tuning, checked
 from .reference import BLOCK, cdiv
 
 
@@ -66,22 +68,6 @@ def set_device_checks(enabled: bool):
     return _restore_device_checks(_ops().set_device_checks(enabled))
 
 
-def check_tuning(op, *, stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-                 delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION) -> None:
-    """Refuse tuning arguments that the ops would refuse, before any call: their Python types and the
-    ops' own contract (``check_args`` on a one-block problem on the CPU, which reads no data), with
-    errors that name ``cosa.<op>``. For settings held until a later call (the integrations)."""
-    tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
-                  softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
-                  delta=validation.real(op, "delta", delta), vote=validation.string(op, "vote", vote),
-                  proxy_precision=validation.string(op, "proxy_precision", proxy_precision))
-    q = torch.zeros((BLOCK, 1, 64), dtype=torch.bfloat16)
-    cache = torch.zeros((1, BLOCK, 1, 64), dtype=torch.bfloat16)
-    lengths = torch.tensor([0, BLOCK], dtype=torch.int32)
-    _ops().check_args(op, q, cache, torch.zeros((1, 1), dtype=torch.int32), lengths, lengths[1:], v_cache=cache,
-                      max_seqlen_q=BLOCK, max_seqlen_k=BLOCK, **tuning)
-
-
 def _tensors(op, **named):
     return {name: validation.tensor(op, name, value) for name, value in named.items()}
 
@@ -110,8 +96,8 @@ def _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning):
 
 
 def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q=None, max_seqlen_k=None, *,
-        stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-        proxy_precision=defaults.PROXY_PRECISION):
+        stride=Tuning.stride, top_p=Tuning.top_p, softmax_scale=defaults.SOFTMAX_SCALE,
+        proxy_precision=Tuning.proxy_precision):
     """KAP (spec section 2): ordered block lists ``(order, counts)``. ``proxy_precision="fp8"``
     scores e4m3 copies of q and k (one scale per 128-token block and head); ``"auto"`` (the default)
     does so where the longest key sequence has 8192 tokens or more (``defaults.FP8_PROXY_MIN_KEYS``)."""
@@ -119,15 +105,13 @@ def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q=None, max_
     _not_a_tensor(kap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     tensors = _tensors(op, q=q, k_cache=k_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k)
-    tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
-                  softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
-                  proxy_precision=validation.string(op, "proxy_precision", proxy_precision))
+    tuning = checked(op, stride=stride, top_p=top_p, softmax_scale=softmax_scale, proxy_precision=proxy_precision)
     max_seqlen_q, max_seqlen_k = _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning)
     return _ops().kap(**tensors, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **tuning)
 
 
 def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q=None, *,
-        softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE):
+        softmax_scale=defaults.SOFTMAX_SCALE, delta=Tuning.delta, vote=Tuning.vote):
     """OSK (spec section 3): attention over the listed blocks in list order, with the in-kernel skip
     decided per 64-row half of each tile (``vote="warpgroup"``) or for the whole tile (``"tile"``).
     Returns ``(out, lse, skipped)``; ``skipped`` counts skipped 64-row halves. Each list must hold
@@ -136,8 +120,7 @@ def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
     _not_a_tensor(osk, max_seqlen_q=max_seqlen_q)
     tensors = _tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k, order=order, counts=counts)
-    tuning = dict(softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
-                  delta=validation.real(op, "delta", delta), vote=validation.string(op, "vote", vote))
+    tuning = checked(op, softmax_scale=softmax_scale, delta=delta, vote=vote)
     max_seqlen_q = validation.integer(op, "max_seqlen_q", max_seqlen_q, optional=True)
     if max_seqlen_q is None:
         max_seqlen_q, _ = _ops().check_args(op, **tensors, **tuning)  # OSK takes no max_seqlen_k
@@ -145,8 +128,8 @@ def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,
 
 
 def prefill(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q=None, max_seqlen_k=None, *,
-            stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-            delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION,
+            stride=Tuning.stride, top_p=Tuning.top_p, softmax_scale=defaults.SOFTMAX_SCALE,
+            delta=Tuning.delta, vote=Tuning.vote, proxy_precision=Tuning.proxy_precision,
             return_stats=False):
     """CoSA sparse prefill over a paged KV cache: KAP then OSK, with no host synchronisation between them.
 
@@ -156,10 +139,8 @@ def prefill(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen
     _not_a_tensor(prefill, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     tensors = _tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                        seqused_k=seqused_k)
-    tuning = dict(stride=validation.integer(op, "stride", stride), top_p=validation.real(op, "top_p", top_p),
-                  softmax_scale=validation.real(op, "softmax_scale", softmax_scale, optional=True),
-                  delta=validation.real(op, "delta", delta), vote=validation.string(op, "vote", vote),
-                  proxy_precision=validation.string(op, "proxy_precision", proxy_precision))
+    tuning = checked(op, stride=stride, top_p=top_p, softmax_scale=softmax_scale, delta=delta, vote=vote,
+                     proxy_precision=proxy_precision)
     max_seqlen_q, max_seqlen_k = _max_lengths(op, tensors, max_seqlen_q, max_seqlen_k, tuning)
     out, lse, order, counts, skipped = _ops().prefill(**tensors, max_seqlen_q=max_seqlen_q,
                                                       max_seqlen_k=max_seqlen_k, **tuning)
@@ -184,8 +165,8 @@ _LAYOUT = ("cosa.sparse_attention takes [B, S, H, d] (sequence before heads, as 
            "[B, H, S, d] pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)")
 
 
-def sparse_attention(q, k, v, *, stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-                     delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION,
+def sparse_attention(q, k, v, *, stride=Tuning.stride, top_p=Tuning.top_p, softmax_scale=defaults.SOFTMAX_SCALE,
+                     delta=Tuning.delta, vote=Tuning.vote, proxy_precision=Tuning.proxy_precision,
                      return_stats=False):
     """CoSA causal attention on contiguous tensors in the layout **[batch, sequence, heads, head dim]**:
     ``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]``. This is FlashAttention's layout, not SDPA's

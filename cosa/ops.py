@@ -3,7 +3,7 @@ the CPU kernels, which are the reference (cosa.reference), and the fake (meta) k
 ``torch.compile`` trace the ops. Both run the ops' argument contract first: the C++ checks of the
 binding, reached through ``torch.ops.cosa.check_args``, so that every path raises the same errors.
 The dispatcher leaves out the trailing arguments that equal their schema defaults, so these take
-the same defaults (cosa.defaults)."""
+the same defaults (cosa.tuning.Tuning's, and cosa.defaults' softmax scale)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from . import defaults, reference
 from .reference import cdiv
+from .tuning import Tuning
 
 
 def _contract_first(op: str, kernel, *, fake: bool = False):
@@ -49,38 +50,38 @@ def _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k):
             q.new_empty((hq, nqb), dtype=torch.int32))
 
 
-def _kap_fake(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, stride=defaults.STRIDE,
-              top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-              proxy_precision=defaults.PROXY_PRECISION):
+def _kap_fake(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, stride=Tuning.stride,
+              top_p=Tuning.top_p, softmax_scale=defaults.SOFTMAX_SCALE,
+              proxy_precision=Tuning.proxy_precision):
     return _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k)
 
 
 # The outputs are contiguous whatever the inputs' strides, as the kernels' (and the reference's) are:
 # new_empty, not empty_like, which would copy q's strides.
 def _osk_fake(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
-              softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE):
+              softmax_scale=defaults.SOFTMAX_SCALE, delta=Tuning.delta, vote=Tuning.vote):
     return (q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
             counts.new_empty(counts.shape))
 
 
 def _prefill_fake(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                  stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-                  delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION):
+                  stride=Tuning.stride, top_p=Tuning.top_p, softmax_scale=defaults.SOFTMAX_SCALE,
+                  delta=Tuning.delta, vote=Tuning.vote, proxy_precision=Tuning.proxy_precision):
     order, counts = _lists_like(q, seqused_k, max_seqlen_q, max_seqlen_k)
     return (q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), order, counts,
             counts.new_empty(counts.shape))
 
 
 def _osk_cpu(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
-             softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE):
+             softmax_scale=defaults.SOFTMAX_SCALE, delta=Tuning.delta, vote=Tuning.vote):
     # The op's arguments only: reference.osk's own return_skip_trace is no argument of the contract.
     return reference.osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
                          softmax_scale, delta, vote)
 
 
 def _prefill_cpu(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                 stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-                 delta=defaults.DELTA, vote=defaults.VOTE, proxy_precision=defaults.PROXY_PRECISION):
+                 stride=Tuning.stride, top_p=Tuning.top_p, softmax_scale=defaults.SOFTMAX_SCALE,
+                 delta=Tuning.delta, vote=Tuning.vote, proxy_precision=Tuning.proxy_precision):
     order, counts = reference.kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
                                   stride, top_p, softmax_scale, proxy_precision)
     out, lse, skipped = reference.osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts,

@@ -15,20 +15,18 @@ import math
 
 import torch
 
-from . import defaults
+from . import defaults, tuning
+from .tuning import FLOAT32_MIN_NORMAL, Tuning
 
-BLOCK = 128  # logical query/key block size (fixed by the method)
+BLOCK = tuning.BLOCK  # logical query/key block size (fixed by the method)
 HALF = BLOCK // 2  # rows of one consumer warpgroup of OSK: the unit of the per-warpgroup vote
-VOTE_SCOPES = ("warpgroup", "tile")  # spec section 3
-PROXY_PRECISIONS = ("native", "fp8", "auto")  # spec section 2
+VOTE_SCOPES = tuning.names("vote")  # spec section 3
+PROXY_PRECISIONS = tuning.names("proxy_precision")  # spec section 2
 
 # Tiles processed together by the OSK reference; bounds its memory to a few hundred MB.
 _OSK_TILES_PER_CHUNK = 256
 # Stride rows scored together by the KAP reference, likewise.
 _KAP_ROWS_PER_CHUNK = 1024
-
-
-FLOAT32_MIN_NORMAL = 2.0 ** -126  # below it the kernels (built to flush subnormals) read 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -214,8 +212,8 @@ def resolved_proxy_precision(proxy_precision: str, max_seqlen_k: int) -> str:
 
 
 def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-               stride=defaults.STRIDE, softmax_scale=defaults.SOFTMAX_SCALE,
-               proxy_precision=defaults.PROXY_PRECISION):
+               stride=Tuning.stride, softmax_scale=defaults.SOFTMAX_SCALE,
+               proxy_precision=Tuning.proxy_precision):
     """Block scores S and HRM flags H of every (query head, query block): float32 / bool
     ``[Hq, num_q_blocks, ceil(max_seqlen_k / 128)]``; -inf / False outside the causal candidates
     and on padding rows. ``proxy_precision="fp8"``: the proxy multiplies e4m3_block_values of each
@@ -242,8 +240,8 @@ def kap_scores(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, ma
 
 
 def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-        stride=defaults.STRIDE, top_p=defaults.TOP_P, softmax_scale=defaults.SOFTMAX_SCALE,
-        proxy_precision=defaults.PROXY_PRECISION):
+        stride=Tuning.stride, top_p=Tuning.top_p, softmax_scale=defaults.SOFTMAX_SCALE,
+        proxy_precision=Tuning.proxy_precision):
     """Spec section 2: ``order`` int32 ``[Hq, num_q_blocks, ceil(max_seqlen_k/128)]`` (each list in
     visiting order, then -1) and ``counts`` int32 ``[Hq, num_q_blocks]``."""
     total_q, hq, _ = q.shape
@@ -295,7 +293,7 @@ def _tile_logits(q_tiles, k_blocks, q_pos, k_pos, lk, scale):
 
 
 def osk(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, order, counts, max_seqlen_q,
-        softmax_scale=defaults.SOFTMAX_SCALE, delta=defaults.DELTA, vote=defaults.VOTE, return_skip_trace=False):
+        softmax_scale=defaults.SOFTMAX_SCALE, delta=Tuning.delta, vote=Tuning.vote, return_skip_trace=False):
     """Spec section 3. Returns ``out`` (like q), ``lse`` float32 ``[Hq, total_q]`` and ``skipped``
     int32 ``[Hq, num_q_blocks]``, the 64-row halves of each tile whose P V work the vote skipped,
     summed over its list (a tile-wide skip counts 2). ``vote`` is who decides together: each 64-row

@@ -2,8 +2,9 @@
 
 The argument contract itself (devices, dtypes, shapes, values, the contents of the index tensors)
 is written once, in C++ (csrc/binding/contract.cpp), and every path runs it: the CUDA ops, the CPU
-ops (cosa/ops.py) and the wrappers, through ``torch.ops.cosa.check_args``. What the C++ side cannot
-see is the Python type of an argument: the op schemas would coerce ``stride=True`` to 1 and refuse
+ops (cosa/ops.py) and the wrappers, through ``torch.ops.cosa.check_args``; the tuning arguments'
+domains are also checked in Python (cosa.tuning), where the wrappers and the integrations take them.
+What the C++ side cannot see is the Python type of an argument: the op schemas would coerce ``stride=True`` to 1 and refuse
 ``stride=8.0``, or an int past int64, with a RuntimeError that names no argument. This module refuses
 those with a TypeError (a ValueError for the int's range) naming the op and the argument."""
 

@@ -28,7 +28,7 @@ extern "C" {
 /* Element types of q, the caches and out (the dtype field). */
 enum { COSA_DTYPE_BFLOAT16 = 0, COSA_DTYPE_FLOAT16 = 1 };
 /* What KAP's proxy GEMM multiplies (the precision field): q and k as given, their e4m3 copies, or
- * e4m3 from COSA_FP8_PROXY_MIN_KEYS keys of the longest sequence (cosa_defaults.h) on. */
+ * e4m3 from COSA_FP8_PROXY_MIN_KEYS keys of the longest sequence (cosa_tuning.h) on. */
 enum { COSA_PROXY_NATIVE = 0, COSA_PROXY_E4M3 = 1, COSA_PROXY_AUTO = 2 };
 /* Who votes to skip a block's P V work (the vote field): the whole 128-row tile or each 64-row half. */
 enum { COSA_VOTE_TILE = 0, COSA_VOTE_WARPGROUP = 1 };
@@ -79,7 +79,7 @@ typedef struct cosa_osk_params {
   cosa_paged_layout layout;
   const int32_t* order;  /* [num_heads_q, num_q_blocks, max_k_blocks] */
   const int32_t* counts; /* [num_heads_q, num_q_blocks] */
-  float delta;           /* <= 0 turns the in-kernel skip off */
+  float delta;           /* finite; <= 0 turns the in-kernel skip off, else at least FLT_MIN */
   int32_t vote;          /* COSA_VOTE_* */
   void* out;             /* [total_q, num_heads_q, head_dim], q's dtype, 16-byte rows */
   int64_t out_row_stride, out_head_stride;

@@ -11,12 +11,9 @@
 
 #include <cuda_runtime.h>
 
-#include "cosa_defaults.h"
+#include "cosa_contract.h"
 
 namespace cosa {
-
-// Logical block size for queries and keys (spec section 1); fixed by the method.
-constexpr int kBlockSize = 128;
 
 enum class DType : int { kBFloat16 = 0, kFloat16 = 1 };
 
@@ -64,13 +61,6 @@ struct PagedLayout {
   const unsigned long long* input_report = nullptr;
 };
 
-// The page sizes the kernels run (their page arithmetic is shifts and masks): run_kap and run_osk
-// refuse others with cudaErrorInvalidValue. (The torch binding, which also builds without CUDA and
-// so without this header, spells the same test in its message about k_cache.)
-inline bool valid_page_size(int64_t page_size) {
-  return page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
-}
-
 // Rows the kernels read in 16-byte chunks: a 16-byte aligned base and strides that are non-negative
 // multiples of 8 elements (2-byte elements, head_dim contiguous; a tensor's strides are never negative,
 // and the TMA descriptors take none).
@@ -87,7 +77,7 @@ inline bool valid_layout(const PagedLayout& l) {
          l.seqused_k != nullptr && l.batch >= 1 && l.num_heads_q >= 1 && l.num_heads_kv >= 1 &&
          l.num_heads_q % l.num_heads_kv == 0 && (l.head_dim == 64 || l.head_dim == 128) &&
          valid_page_size(l.page_size) && (l.dtype == DType::kBFloat16 || l.dtype == DType::kFloat16) &&
-         l.softmax_scale > 0.f && std::isfinite(l.softmax_scale) && l.total_q >= 0 && l.num_q_blocks >= 0 &&
+         valid_softmax_scale(l.softmax_scale) && l.total_q >= 0 && l.num_q_blocks >= 0 &&
          l.max_k_blocks >= 0 && l.max_seqlen_q >= 0 && l.max_seqlen_k >= 0 && l.page_table_stride >= 0 &&
          rows_aligned(l.q, l.q_row_stride, l.q_head_stride) &&
          rows_aligned(l.k_cache, l.k_page_stride, l.k_row_stride, l.k_head_stride);
@@ -103,11 +93,6 @@ __host__ __device__ inline int log2_page_size(int page_size) {
 #endif
 }
 
-// What KAP's proxy GEMM multiplies (spec section 2): q and k as given, or e4m3 copies of them with
-// one scale per 128-token block and head; kAuto: e4m3 where the longest key sequence has at least
-// COSA_FP8_PROXY_MIN_KEYS tokens (where it measured faster), as given below that.
-enum class ProxyPrecision : int { kNative = 0, kE4M3 = 1, kAuto = 2 };
-
 // The proxy that `precision` selects for a problem whose longest key sequence is max_seqlen_k.
 inline ProxyPrecision resolve_proxy_precision(ProxyPrecision precision, int max_seqlen_k) {
   if (precision != ProxyPrecision::kAuto) return precision;
@@ -118,9 +103,9 @@ inline ProxyPrecision resolve_proxy_precision(ProxyPrecision precision, int max_
 // refuses what valid_kap_params does not accept.
 struct KapParams {
   PagedLayout layout;
-  int stride = COSA_DEFAULT_STRIDE;             // s: divides 128
-  float top_p = float(COSA_DEFAULT_TOP_P);      // (0, 1]
-  ProxyPrecision precision = ProxyPrecision::COSA_DEFAULT_PROXY_PRECISION_ENUM;
+  int stride = COSA_DEFAULT_STRIDE;         // valid_kap_stride
+  float top_p = float(COSA_DEFAULT_TOP_P);  // (0, 1]
+  ProxyPrecision precision = kDefaultProxyPrecision;
   // Outputs, contiguous: order [num_heads_q, num_q_blocks, max_k_blocks] (list then -1 padding),
   // counts [num_heads_q, num_q_blocks].
   int32_t* order = nullptr;
@@ -130,18 +115,13 @@ struct KapParams {
   void* workspace = nullptr;
 };
 
-// Who decides together whether a listed block's P V work is skipped (spec section 3): the whole
-// 128-row tile (both consumer warpgroups agree, one barrier across them per block), or each 64-row
-// warpgroup for its own rows (no barrier between the two halves).
-enum class VoteScope : int { kTile = 0, kWarpgroup = 1 };
-
 // OSK (spec section 3).
 struct OskParams {
   PagedLayout layout;
   const int32_t* order = nullptr;   // [num_heads_q, num_q_blocks, max_k_blocks]
   const int32_t* counts = nullptr;  // [num_heads_q, num_q_blocks]
-  float delta = float(COSA_DEFAULT_DELTA);  // <= 0 disables the in-kernel skip
-  VoteScope vote = VoteScope::COSA_DEFAULT_VOTE_SCOPE;
+  float delta = float(COSA_DEFAULT_DELTA);  // valid_delta; <= 0 disables the in-kernel skip
+  VoteScope vote = kDefaultVoteScope;
   // out: [total_q, num_heads_q, head_dim], same dtype as q, head_dim contiguous; written in
   // 16-byte chunks, so its base is 16-byte aligned and its strides are multiples of 8 elements.
   void* out = nullptr;
@@ -151,9 +131,6 @@ struct OskParams {
   // skipped, summed over the list (a tile-wide skip counts 2).
   int32_t* skipped = nullptr;
 };
-
-// The strides the CUDA KAP is built for (the reference takes any divisor of 128).
-inline bool valid_kap_stride(int64_t stride) { return stride == 4 || stride == 8 || stride == 16; }
 
 // KAP sorts each list in shared memory (kap/kap_select_kernel.cuh): at most this many key blocks.
 constexpr int64_t kKapMaxKeyBlocks = 16384;
@@ -196,14 +173,14 @@ inline int64_t kap_score_tiles_bound(int64_t batch, int64_t max_seqlen_q, int64_
   return by_max < by_total ? by_max : by_total;
 }
 
-// The plain-data checks of run_kap and run_osk (see valid_layout). KAP's also hold its size limits,
+// The plain-data checks of run_kap and run_osk (see valid_layout), with the tuning arguments' domains
+// of cosa_contract.h (top_p's is [0, 1] here: a top_p that the binding accepts may round to 0 in
+// float32). KAP's also hold its size limits,
 // past which its 32-bit offsets would wrap (wrong lists, no error): the binding refuses the same
 // sizes with messages (check_cuda_limits in csrc/binding/cuda_limits.cpp).
 inline bool valid_kap_params(const KapParams& p) {
   const PagedLayout& l = p.layout;
-  if (!valid_layout(l) || !valid_kap_stride(p.stride) ||
-      !(p.precision == ProxyPrecision::kNative || p.precision == ProxyPrecision::kE4M3 ||
-        p.precision == ProxyPrecision::kAuto)) {
+  if (!valid_layout(l) || !valid_kap_stride(p.stride) || !valid_proxy_precision(p.precision)) {
     return false;
   }
   const bool fp8_proxy = resolve_proxy_precision(p.precision, l.max_seqlen_k) == ProxyPrecision::kE4M3;
@@ -224,8 +201,7 @@ inline bool valid_osk_params(const OskParams& p) {
   return valid_layout(l) && l.v_cache != nullptr &&
          rows_aligned(l.v_cache, l.v_page_stride, l.v_row_stride, l.v_head_stride) && p.order != nullptr &&
          p.counts != nullptr && p.out != nullptr && rows_aligned(p.out, p.out_row_stride, p.out_head_stride) &&
-         p.lse != nullptr && p.skipped != nullptr && std::isfinite(p.delta) &&
-         (p.vote == VoteScope::kTile || p.vote == VoteScope::kWarpgroup);
+         p.lse != nullptr && p.skipped != nullptr && valid_delta(p.delta) && valid_vote(p.vote);
 }
 
 // The data-dependent argument checks of the binding (csrc/checks/input_checks.cu): the conditions of

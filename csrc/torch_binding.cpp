@@ -17,8 +17,8 @@
 #include <torch/library.h>
 
 // The defaults of the tuning arguments come from cosa/defaults.py, their one source, through the
-// macros of cosa_defaults.h (which that file writes); the schemas below spell them.
-#include "cosa_defaults.h"
+// macros of cosa_tuning.h (which cosa/tuning.py writes); the schemas below spell them.
+#include "cosa_tuning.h"
 #define COSA_SPELL_(value) #value
 #define COSA_SPELL(value) COSA_SPELL_(value)
 #define COSA_STRIDE_ARG "int stride=" COSA_SPELL(COSA_DEFAULT_STRIDE)

@@ -47,7 +47,7 @@ LOG=build/setup-sh.log
 # third_party/cutlass_headers.py, which writes one after the stamp's time), and only files count:
 # writing that cache changes its folder's time too.
 build_inputs() {
-  find csrc setup.py CMakeLists.txt pyproject.toml cosa/defaults.py third_party -name __pycache__ -prune \
+  find csrc setup.py CMakeLists.txt pyproject.toml cosa/defaults.py cosa/tuning.py third_party -name __pycache__ -prune \
     -o -type f "$@" -print
 }
 # What decides the build besides its input files' contents: which files they are (a source added or

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cosa
-from cosa import defaults
+from cosa import defaults, tuning
 from cosa import reference as R
 from cosa.layout import kap_layout_args
 from cosa.testing import random_problem
@@ -200,6 +200,20 @@ def test_bad_tuning_argument_is_a_clear_error(ops, device, case):
     args.update(kwargs)
     with pytest.raises(exc, match=f"cosa.prefill: {text}"):
         ops.prefill(*prefill_args(p), *args.values())
+
+
+@pytest.mark.parametrize("case", BAD_TUNING, ids=[c[0] for c in BAD_TUNING])
+def test_python_and_cpp_refuse_a_tuning_argument_in_the_same_words(ops, case):
+    """cosa.tuning (the wrappers' and the integrations' check) and the binding's check_scalars (the
+    op's) hold the same domains and say the same thing."""
+    _, kwargs, exc, _ = case
+    [(name, value)] = kwargs.items()
+    p = small_problem()
+    with pytest.raises(exc) as cpp:
+        ops.prefill(*prefill_args(p), **kwargs)
+    with pytest.raises(exc) as python:
+        tuning.check("prefill", name, value)
+    assert str(python.value) == str(cpp.value)
 
 
 @pytest.mark.gpu
@@ -508,11 +522,11 @@ def test_check_args_derives_the_max_lengths(ops):
     assert ops.check_args("kap", *layout, max_seqlen_q=300, max_seqlen_k=400) == (300, 400)
 
 
-def test_the_c_header_of_the_defaults_is_current():
-    """csrc/cosa_defaults.h is what cosa/defaults.py writes (`python3 cosa/defaults.py >
-    csrc/cosa_defaults.h` after a change of a default)."""
-    header = Path(__file__).resolve().parent.parent / "csrc" / "cosa_defaults.h"
-    assert header.read_text() == defaults.c_header(), "csrc/cosa_defaults.h is stale: regenerate it"
+def test_the_c_header_of_the_tuning_table_is_current():
+    """csrc/cosa_tuning.h is what cosa.tuning writes (`python3 -c 'from cosa import tuning;
+    print(tuning.c_header(), end="")' > csrc/cosa_tuning.h` after a change of the table or a default)."""
+    header = Path(__file__).resolve().parent.parent / "csrc" / "cosa_tuning.h"
+    assert header.read_text() == tuning.c_header(), "csrc/cosa_tuning.h is stale: regenerate it"
 
 
 def test_the_version_is_the_manifests():
@@ -523,7 +537,7 @@ def test_the_version_is_the_manifests():
 
 
 def test_the_defaults_have_one_source(ops):
-    """The schemas (compiled from cosa/defaults.py through csrc/cosa_defaults.h), the wrappers and the reference
+    """The schemas (compiled from cosa/defaults.py through csrc/cosa_tuning.h), the wrappers and the reference
     all hold cosa.defaults' values: a stale build or a second copy fails here."""
     import inspect
 

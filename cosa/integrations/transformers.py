@@ -40,8 +40,8 @@ from typing import Callable
 import torch
 
 import cosa
-from cosa import defaults, reference, validation
-from cosa.api import check_tuning
+from cosa import reference, validation
+from cosa.tuning import Tuning
 from cosa.layout import paged_from_contiguous
 from cosa.reference import BLOCK
 
@@ -65,13 +65,9 @@ def _restored_target(name: str) -> str:
 BlockSelector = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple]
 
 
-@dataclass
-class Settings:
-    top_p: float = defaults.TOP_P
-    delta: float = defaults.DELTA
-    stride: int = defaults.STRIDE
-    vote: str = defaults.VOTE
-    proxy_precision: str = defaults.PROXY_PRECISION
+@dataclass(frozen=True)
+class Settings(Tuning):
+    """The tuning settings (checked when made) and the integration's own."""
     min_prefill_tokens: int = 4096
     collect_stats: bool = False
     block_selector: BlockSelector | None = None
@@ -165,8 +161,8 @@ class CosaAttention(AttentionOverride):
         return out
 
 
-def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: float = defaults.DELTA,
-           stride: int = defaults.STRIDE, vote: str = defaults.VOTE, proxy_precision: str = defaults.PROXY_PRECISION,
+def enable(model: torch.nn.Module, *, top_p: float = Tuning.top_p, delta: float = Tuning.delta,
+           stride: int = Tuning.stride, vote: str = Tuning.vote, proxy_precision: str = Tuning.proxy_precision,
            min_prefill_tokens: int = 4096, collect_stats: bool = False,
            block_selector: BlockSelector | None = None) -> CosaAttention:
     """Run the model's long prefills with CoSA (module docstring); returns the handle/context manager.
@@ -179,20 +175,19 @@ def enable(model: torch.nn.Module, *, top_p: float = defaults.TOP_P, delta: floa
     ``collect_stats``: record each call's budgets in ``handle.calls`` (reads the lists on the host:
     one synchronisation per layer); ``block_selector``: replace KAP with another selection (the
     benchmarks feed the peers' masks to OSK this way)."""
-    # The ops' own argument contract, here rather than at the first long prefill.
     op = "integrations.transformers.enable"
-    check_tuning(op, stride=stride, top_p=top_p, delta=delta, vote=vote, proxy_precision=proxy_precision)
     min_prefill_tokens = validation.integer(op, "min_prefill_tokens", min_prefill_tokens)
     if min_prefill_tokens < 1:
         raise ValueError(f"min_prefill_tokens must be >= 1, got {min_prefill_tokens}")
+    # The ops' own domains (Tuning checks them), here rather than at the first long prefill.
+    settings = Settings(top_p=top_p, delta=delta, stride=stride, vote=vote, proxy_precision=proxy_precision, op=op,
+                        min_prefill_tokens=min_prefill_tokens, collect_stats=collect_stats,
+                        block_selector=block_selector)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
         warnings.warn(f"cosa: model type {model_type!r} is not one of the tested families {SUPPORTED_MODEL_TYPES}; "
                       "CoSA runs wherever its attention goes through transformers' AttentionInterface",
                       stacklevel=2)
-    settings = Settings(top_p=top_p, delta=delta, stride=stride, vote=vote, proxy_precision=proxy_precision,
-                        min_prefill_tokens=min_prefill_tokens,
-                        collect_stats=collect_stats, block_selector=block_selector)
     return CosaAttention(model, settings)
 
 

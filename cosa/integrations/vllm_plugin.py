@@ -31,66 +31,50 @@ one FlashAttention call or one CoSA call over its tokens.
 from __future__ import annotations
 
 import collections.abc
-import functools
 import threading
 from dataclasses import dataclass, fields
 
 import torch
 
-from cosa import defaults
+from cosa import validation
 from cosa.reference import BLOCK
+from cosa.tuning import Tuning
 
 REASONS = ("cosa", "decode", "short_prefill", "unaligned_prefix", "layer_unsupported")
 BACKEND_CLASS = "cosa.integrations.vllm_backend.CosaAttentionBackend"
 
 
 @dataclass(frozen=True)
-class Settings:
-    """``additional_config={"cosa": {...}}`` of the vLLM engine; the defaults are cosa's own."""
+class Settings(Tuning):
+    """``additional_config={"cosa": {...}}`` of the vLLM engine: the tuning settings (checked when
+    made, in the ops' own words) and the routing threshold; the defaults are cosa's own."""
     min_prefill_tokens: int = 4096
-    stride: int = defaults.STRIDE
-    top_p: float = defaults.TOP_P
-    delta: float = defaults.DELTA
-    vote: str = defaults.VOTE
-    proxy_precision: str = defaults.PROXY_PRECISION
+
+    def __post_init__(self, op: str) -> None:
+        super().__post_init__(op)
+        object.__setattr__(self, "min_prefill_tokens", validation.integer(op, "min_prefill_tokens",
+                                                                          self.min_prefill_tokens))
+        if self.min_prefill_tokens < 1:
+            raise ValueError(f"cosa.{op}: min_prefill_tokens must be >= 1, got {self.min_prefill_tokens}")
 
     @classmethod
     def from_additional_config(cls, additional_config) -> "Settings":
-        """Read and check ``additional_config["cosa"]`` (absent: the defaults); a ValueError names
-        any unknown key or a value of the wrong type."""
+        """Read and check ``additional_config["cosa"]`` (absent: the defaults), at engine start rather
+        than at the first long prompt; a ValueError names any unknown key or a value that is refused."""
         # vLLM also takes an object of a platform's own there; only a mapping can hold CoSA's settings.
         mapping = isinstance(additional_config, collections.abc.Mapping)
         given = additional_config.get("cosa", {}) if mapping else {}
         if not isinstance(given, collections.abc.Mapping):
             raise ValueError(f"additional_config['cosa'] must be a dict of CoSA settings, got {type(given).__name__}")
-        known = {f.name: f.type for f in fields(cls)}
+        known = [f.name for f in fields(cls)]
         unknown = sorted(map(repr, set(given) - set(known)))  # repr: keys need not be strings
         if unknown:
             raise ValueError(f"additional_config['cosa']: unknown setting(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
-        kinds = {"int": int, "float": (int, float), "str": str}
-        for name, value in given.items():
-            kind = kinds[known[name]]
-            if isinstance(value, bool) or not isinstance(value, kind):
-                raise ValueError(f"additional_config['cosa']['{name}'] must be {known[name]}, got {value!r}")
-        settings = cls(**{name: (float(v) if known[name] == "float" else v) for name, v in given.items()})
-        if settings.min_prefill_tokens < 1:
-            raise ValueError(f"additional_config['cosa']['min_prefill_tokens'] must be >= 1, "
-                             f"got {settings.min_prefill_tokens}")
-        _check_with_the_ops(settings)
-        return settings
-
-
-@functools.lru_cache(maxsize=16)
-def _check_with_the_ops(settings: Settings) -> None:
-    """Refuse values the ops would refuse, at engine start rather than at the first long prompt."""
-    from cosa.api import check_tuning
-
-    try:
-        check_tuning("prefill", stride=settings.stride, top_p=settings.top_p, delta=settings.delta,
-                     vote=settings.vote, proxy_precision=settings.proxy_precision)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"additional_config['cosa']: {error}") from None
+        try:
+            return cls(**given, op="integrations.vllm")
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"additional_config['cosa']: {error}") from None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 #include "binding/contract.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <string>
 #include <utility>
@@ -54,7 +53,7 @@ Sizes check_tensors(const OpArgs& a) {
                    tuple_str(a.v_cache ? a.v_cache->sizes() : k_cache.sizes()), " differs from k_cache shape ",
                    tuple_str(k_cache.sizes()));
   const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), num_heads_kv = k_cache.size(2);
-  COSA_CHECK_VALUE(page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0, op,
+  COSA_CHECK_VALUE(cosa::valid_page_size(page_size), op,
                    "page size (k_cache.shape[1]) must be a power of two in [16, 256], got ", page_size);
   COSA_CHECK_VALUE(num_heads_kv > 0 && num_heads_q % num_heads_kv == 0, op, "num_heads_q (", num_heads_q,
                    ") must be a multiple of num_heads_kv (", num_heads_kv, ")");
@@ -86,36 +85,30 @@ void check_scalars(const OpArgs& a) {
                      *a.max_seqlen_q, "), got ", *a.max_seqlen_k);
   }
   if (a.stride) {
-    COSA_CHECK_VALUE(*a.stride >= 1 && kBlock % *a.stride == 0, op, "stride must be a positive divisor of ", kBlock,
+    COSA_CHECK_VALUE(cosa::valid_stride(*a.stride), op, "stride must be a positive divisor of ", kBlock,
                      ", got ", *a.stride);
   }
   if (a.top_p) {
-    COSA_CHECK_VALUE(std::isfinite(*a.top_p) && *a.top_p > 0.0 && *a.top_p <= 1.0, op,
-                     "top_p must be in (0, 1], got ", *a.top_p);
+    COSA_CHECK_VALUE(cosa::valid_top_p(*a.top_p), op, "top_p must be in (0, 1], got ", *a.top_p);
   }
   if (a.softmax_scale) {
-    // The kernels hold it in float32: it must stay a finite, normal float32 there.
-    COSA_CHECK_VALUE(*a.softmax_scale >= std::numeric_limits<float>::min() &&
-                         *a.softmax_scale <= std::numeric_limits<float>::max(),
-                     op, "softmax_scale must be a positive number in float32's normal range [",
+    COSA_CHECK_VALUE(cosa::valid_softmax_scale(*a.softmax_scale), op,
+                     "softmax_scale must be a positive number in float32's normal range [",
                      std::numeric_limits<float>::min(), ", ", std::numeric_limits<float>::max(), "], got ",
                      *a.softmax_scale);
   }
   if (a.delta) {
-    // The kernels hold delta in float32 and flush subnormals to zero, where the skip would be off; the
-    // reference would keep it on.
-    COSA_CHECK_VALUE(std::isfinite(*a.delta) && (*a.delta <= 0.0 || *a.delta >= std::numeric_limits<float>::min()),
-                     op, "delta must be a finite number, <= 0 (which disables the in-kernel skip) or at least ",
+    COSA_CHECK_VALUE(cosa::valid_delta(*a.delta), op,
+                     "delta must be a finite number, <= 0 (which disables the in-kernel skip) or at least ",
                      std::numeric_limits<float>::min(), " (float32's smallest normal number), got ", *a.delta);
   }
   if (a.vote) {
-    COSA_CHECK_VALUE(*a.vote == "tile" || *a.vote == "warpgroup", op, "vote must be 'tile' or 'warpgroup', got '",
+    COSA_CHECK_VALUE(cosa::parse_vote(*a.vote), op, "vote must be ", cosa::kVoteScopeNames, ", got '",
                      std::string(*a.vote), "'");
   }
   if (a.proxy_precision) {
-    COSA_CHECK_VALUE(*a.proxy_precision == "native" || *a.proxy_precision == "fp8" || *a.proxy_precision == "auto",
-                     op, "proxy_precision must be 'native', 'fp8' or 'auto', got '", std::string(*a.proxy_precision),
-                     "'");
+    COSA_CHECK_VALUE(cosa::parse_proxy_precision(*a.proxy_precision), op, "proxy_precision must be ",
+                     cosa::kProxyPrecisionNames, ", got '", std::string(*a.proxy_precision), "'");
   }
 }
 

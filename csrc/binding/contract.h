@@ -6,8 +6,10 @@
 // Why the contract is written here, once, rather than in Python: the CUDA path is the hot one and
 // C++ checks keep Python off it, while the CPU path and the Python wrappers reach the very same
 // code through one op call, so that every path raises the same errors (TypeError for a wrong dtype,
-// ValueError for a wrong value, each naming the op and the argument) in the same order. Python keeps
-// only what C++ cannot see, the Python types of the wrappers' arguments (cosa/validation.py).
+// ValueError for a wrong value, each naming the op and the argument) in the same order. Python checks
+// what C++ cannot see, the Python types of the wrappers' arguments (cosa/validation.py), and the
+// tuning arguments' domains, which the wrappers and the integrations check before any call
+// (cosa/tuning.py, in the same words: both languages' predicates follow one table, cosa_tuning.h).
 #pragma once
 
 #include <cstdint>
@@ -18,9 +20,11 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
+#include "cosa_contract.h"
+
 namespace cosa::binding {
 
-constexpr int64_t kBlock = 128;  // the logical block (spec section 1)
+constexpr int64_t kBlock = cosa::kBlockSize;  // the logical block (spec section 1)
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -55,7 +59,7 @@ struct Sizes {
 
 // Devices, dtypes and shapes of the tensors (spec section 1); reads no tensor data.
 Sizes check_tensors(const OpArgs& a);
-// The tuning arguments, and the max lengths that were given.
+// The tuning arguments (the domains of cosa_contract.h), and the max lengths that were given.
 void check_scalars(const OpArgs& a);
 // Shapes of the block lists given to OSK.
 void check_list_shapes(const OpArgs& a, const Sizes& s, int64_t max_seqlen_q);

@@ -8,13 +8,6 @@
 
 namespace cosa::binding {
 
-static_assert(kBlock == cosa::kBlockSize);
-
-cosa::ProxyPrecision proxy_precision_of(c10::string_view precision) {
-  if (precision == "fp8") return cosa::ProxyPrecision::kE4M3;
-  return precision == "auto" ? cosa::ProxyPrecision::kAuto : cosa::ProxyPrecision::kNative;
-}
-
 namespace {
 
 // The kernels address q/k/v rows with 16-byte vector loads or TMA: the head dim must be
@@ -47,8 +40,8 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
     COSA_CHECK_VALUE(*a.max_seqlen_k <= kKapMaxSeqlenK, op, "max_seqlen_k = ", *a.max_seqlen_k,
                      " exceeds the CUDA KAP limit of ", kKapMaxSeqlenK,
                      " tokens (16384 key blocks, each list sorted in shared memory)");
-    COSA_CHECK_VALUE(cosa::valid_kap_stride(*a.stride), op,
-                     "stride must be 4, 8 or 16 on CUDA, got ", *a.stride,
+    COSA_CHECK_VALUE(cosa::valid_kap_stride(*a.stride), op, "stride must be ", cosa::kKapStrideNames,
+                     " on CUDA, got ", *a.stride,
                      " (the reference, cosa.reference.kap, accepts any divisor of ", kBlock, ")");
     const int64_t score_tiles =
         cosa::kap_score_tiles_bound(s.batch, *a.max_seqlen_q, s.total_q, static_cast<int>(*a.stride));
@@ -62,7 +55,7 @@ void check_cuda_limits(const OpArgs& a, const Sizes& s) {
                        cosa::kKapMaxSpanElements, " (2^32 16-byte units)");
     }
     const bool fp8_proxy =
-        a.proxy_precision && cosa::resolve_proxy_precision(proxy_precision_of(*a.proxy_precision),
+        a.proxy_precision && cosa::resolve_proxy_precision(*cosa::parse_proxy_precision(*a.proxy_precision),
                                                            static_cast<int>(*a.max_seqlen_k)) ==
                                  cosa::ProxyPrecision::kE4M3;
     const int64_t key_copy_bytes =

@@ -5,8 +5,6 @@
 #include <cstdint>
 #include <limits>
 
-#include <c10/util/string_view.h>
-
 #include "binding/contract.h"
 #include "cosa_params.h"
 
@@ -14,8 +12,6 @@ namespace cosa::binding {
 
 // The kernels hold sizes and offsets in int32.
 constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-
-cosa::ProxyPrecision proxy_precision_of(c10::string_view precision);  // checked by check_scalars
 
 // The contract, then the kernels' limits; the contents of the index tensors are checked later,
 // on the device (enqueue_device_checks).

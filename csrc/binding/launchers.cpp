@@ -73,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> launch_kap(const char* op, const cosa::PagedL
   params.layout = layout;
   params.stride = static_cast<int>(stride);
   params.top_p = static_cast<float>(top_p);
-  params.precision = proxy_precision_of(precision);
+  params.precision = *cosa::parse_proxy_precision(precision);  // checked by check_scalars
   params.order = order.mutable_data_ptr<int32_t>();
   params.counts = counts.mutable_data_ptr<int32_t>();
   // The caching allocator ties the workspace to the current stream: releasing it when this
@@ -85,10 +85,6 @@ std::tuple<at::Tensor, at::Tensor> launch_kap(const char* op, const cosa::PagedL
   }
   if (layout.num_q_blocks > 0) check_launch(op, "KAP", cosa::run_kap(params, stream));
   return {order, counts};
-}
-
-cosa::VoteScope vote_scope(c10::string_view vote) {
-  return vote == "tile" ? cosa::VoteScope::kTile : cosa::VoteScope::kWarpgroup;  // checked by check_scalars
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_osk(const char* op, const cosa::PagedLayout& layout,
@@ -103,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_osk(const char* op, const 
   params.order = order.const_data_ptr<int32_t>();
   params.counts = counts.const_data_ptr<int32_t>();
   params.delta = static_cast<float>(delta);
-  params.vote = vote_scope(vote);
+  params.vote = *cosa::parse_vote(vote);  // checked by check_scalars
   params.out = out.mutable_data_ptr();
   params.out_row_stride = out.stride(0);
   params.out_head_stride = out.stride(1);

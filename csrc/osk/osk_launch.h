@@ -68,7 +68,7 @@ cudaError_t run_osk_config(const OskParams& params, cudaStream_t stream) {
               encode_kv_tensor_map(&kp.tma_v, layout.v_cache, layout, layout.v_page_stride,
                                    layout.v_row_stride, layout.v_head_stride);
 
-  auto kernel = params.delta > 0.f ? osk_fwd_kernel<Traits, true> : osk_fwd_kernel<Traits, false>;
+  auto kernel = skip_enabled(params.delta) ? osk_fwd_kernel<Traits, true> : osk_fwd_kernel<Traits, false>;
   const int smem_bytes = static_cast<int>(sizeof(OskSharedStorage<Traits>));
   // Per device and per configuration, cheap enough to repeat on every call.
   cudaError_t err =
