@@ -92,6 +92,8 @@ def account(trace: dict, window: str, num_layers: int) -> dict:
     spans = [e for e in events if e.get("name") == window]
     if not spans:
         raise ValueError(f"the trace has no span named {window!r}")
+    if len(spans) > 1:
+        raise ValueError(f"the trace has {len(spans)} spans named {window!r}, not one: one request per trace")
     w0 = float(spans[0]["ts"])
     w1 = w0 + float(spans[0]["dur"])
     launches = {}
