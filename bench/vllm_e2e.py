@@ -361,18 +361,26 @@ def argparse_hidden():
     return argparse.SUPPRESS
 
 
+def require_vllm_and_model(script: str, model: str):
+    """``(vllm, config)``: vLLM's module and the model's ``config.json`` as a dict; where either is
+    missing, one line on stderr saying which and exit status 2 (as common.require_cuda)."""
+    try:
+        import vllm
+    except ImportError as error:
+        print(f"{script} needs vLLM (pip install vllm==0.24.0): {error}", file=sys.stderr)
+        sys.exit(2)
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        print(f"--model {model} is not a model directory (no config.json)", file=sys.stderr)
+        sys.exit(2)
+    return vllm, json.loads(config.read_text())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    try:
-        import vllm
-    except ImportError as error:
-        print(f"bench/vllm_e2e.py needs vLLM (pip install vllm==0.24.0): {error}", file=sys.stderr)
-        return 2
-    if not (Path(args.model) / "config.json").is_file():
-        print(f"--model {args.model} is not a model directory (no config.json)", file=sys.stderr)
-        return 2
+    vllm, _ = require_vllm_and_model("bench/vllm_e2e.py", args.model)
     if args.long_lengths and max(args.long_lengths) + 1 > yarn_positions(args):
         print(f"--long-lengths: {max(args.long_lengths)} tokens and one new token exceed the {yarn_positions(args)} "
               f"positions the model has with YaRN factor {args.yarn_factor}", file=sys.stderr)
