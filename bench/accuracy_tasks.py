@@ -86,6 +86,27 @@ def _needle(key: str, value: str) -> str:
     return f"One of the special magic numbers for {key} is: {value}."
 
 
+def distinct_keys(rng, count: int) -> list[str]:
+    """``count`` different needle keys."""
+    keys = [_key(rng)]
+    while len(keys) < count:
+        candidate = _key(rng)
+        if candidate not in keys:
+            keys.append(candidate)
+    return keys
+
+
+def planted_needles(rng, count: int) -> list[tuple[str, str, str]]:
+    """``count`` magic-number needles of different keys: ``(key, value, sentence)``."""
+    return [(key, value, _needle(key, value)) for key in distinct_keys(rng, count) for value in [_number(rng)]]
+
+
+def magic_number_question(key: str) -> tuple[str, str]:
+    """The question about ``key``'s magic number and the answer's first words (niah_single, niah_multikey)."""
+    return (f"What is the special magic number for {key} mentioned in the text above?",
+            f"The special magic number for {key} mentioned in the text is:")
+
+
 NIAH_INTRO = ("A few special magic numbers are hidden in the text below. Remember them: there will be "
               "a question about them at the end.")
 
@@ -94,11 +115,7 @@ def make_task(task: str, rng: random.Random):
     """``(intro, needles, question, answer_prefix, answers, items)``: needles are inserted at random
     depths of the haystack; ``items`` replaces the haystack (the word list of cwe) when not None."""
     if task in ("niah_single", "niah_multikey", "niah_multivalue"):
-        keys = [_key(rng)]
-        while len(keys) < (4 if task == "niah_multikey" else 1):
-            candidate = _key(rng)
-            if candidate not in keys:
-                keys.append(candidate)
+        keys = distinct_keys(rng, 4 if task == "niah_multikey" else 1)
         if task == "niah_multivalue":
             values = [_number(rng) for _ in range(4)]
             needles = [_needle(keys[0], v) for v in values]
@@ -113,8 +130,7 @@ def make_task(task: str, rng: random.Random):
             question = f"What are all the special magic numbers for {target} mentioned in the text above?"
             prefix = f"The special magic numbers for {target} mentioned in the text are:"
         else:
-            question = f"What is the special magic number for {target} mentioned in the text above?"
-            prefix = f"The special magic number for {target} mentioned in the text is:"
+            question, prefix = magic_number_question(target)
         return NIAH_INTRO, needles, question, prefix, answers, None
     if task == "vt":
         names = []

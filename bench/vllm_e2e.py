@@ -81,7 +81,6 @@ def worker(args) -> int:
     from vllm.inputs import TokensPrompt
 
     import accuracy_tasks
-    import models
 
     settings = {"min_prefill_tokens": args.min_prefill_tokens}
     kwargs = dict(model=args.model, dtype="bfloat16", seed=0, enable_prefix_caching=False,
@@ -91,9 +90,7 @@ def worker(args) -> int:
         kwargs["additional_config"] = {"cosa": settings}
     long_phase = args.phase == "long"
     if long_phase:
-        config = json.loads((Path(args.model) / "config.json").read_text())
-        kwargs["max_model_len"] = yarn_positions(args)
-        kwargs["hf_overrides"] = {"rope_parameters": models.yarn_rope_parameters(config, args.yarn_factor)}
+        kwargs.update(yarn_engine_arguments(args.model, args.yarn_factor))
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result = {"impl": args.worker, "phase": args.phase, "startup_s": time.perf_counter() - started,
@@ -195,16 +192,44 @@ def num_layers(model: str) -> int:
 
 def yarn_positions(args) -> int:
     """The positions the model has with YaRN: its own times --yarn-factor."""
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    return int(config.get("max_position_embeddings", 32768) * args.yarn_factor)
+    return yarn_engine_arguments(args.model, args.yarn_factor)["max_model_len"]
+
+
+def yarn_engine_arguments(model: str, factor: float) -> dict:
+    """The engine arguments that run ``model`` with YaRN rope scaling by ``factor`` over all its positions."""
+    import models
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    return {"max_model_len": int(config.get("max_position_embeddings", 32768) * factor),
+            "hf_overrides": {"rope_parameters": models.yarn_rope_parameters(config, factor)}}
+
+
+def run_engine(script: str, worker_args: list[str], label: str, log_dir: str | None, log_name: str) -> dict | str:
+    """One engine: ``script`` run with ``worker_args`` in a subprocess with vLLM's engine core in
+    process (so that the backend's routing counts and the scheduler can be read), its results as the
+    JSON it writes to ``--result-file``, or why it failed (its last output lines). Its log goes to
+    ``log_dir/log_name`` when ``log_dir`` is given."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_file = f.name
+    cmd = [sys.executable, script, *worker_args, "--result-file", result_file]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    progress(f"engine {label}: starting")
+    log = Path(result_file).with_suffix(".log")
+    with open(log, "w") as out:
+        rc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    text = log.read_text(errors="replace")
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(log_dir) / log_name).write_text(text)
+    if rc != 0:
+        return f"exit status {rc}: " + " | ".join(text.strip().splitlines()[-6:])
+    return json.loads(Path(result_file).read_text())
 
 
 def run_worker(args, impl: str, phase: str) -> dict | str:
     """The worker's results, or why it failed (its last output lines)."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_file = f.name
-    cmd = [sys.executable, __file__, "--worker", impl, "--phase", phase, "--result-file", result_file,
-           "--model", args.model, "--lengths", *map(str, args.lengths), "--needle-lengths", *map(str, args.needle_lengths),
+    cmd = ["--worker", impl, "--phase", phase, "--model", args.model, "--lengths", *map(str, args.lengths),
+           "--needle-lengths", *map(str, args.needle_lengths),
            "--long-lengths", *map(str, args.long_lengths), "--reps", str(args.reps), "--batch", str(args.batch),
            "--min-prefill-tokens", str(args.min_prefill_tokens), "--yarn-factor", str(args.yarn_factor),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
@@ -213,18 +238,7 @@ def run_worker(args, impl: str, phase: str) -> dict | str:
         cmd.append("--account")
     if args.haystack:
         cmd += ["--haystack", args.haystack]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    progress(f"engine {impl} ({phase}): starting")
-    log = Path(result_file).with_suffix(".log")
-    with open(log, "w") as out:
-        rc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
-    text = log.read_text(errors="replace")
-    if args.log_dir:
-        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.log_dir) / f"vllm-{impl}-{phase}.log").write_text(text)
-    if rc != 0:
-        return f"exit status {rc}: " + " | ".join(text.strip().splitlines()[-6:])
-    return json.loads(Path(result_file).read_text())
+    return run_engine(__file__, cmd, f"{impl} ({phase})", args.log_dir, f"vllm-{impl}-{phase}.log")
 
 
 def compare(results: dict) -> tuple[list[dict], list[str]]:
@@ -352,18 +366,26 @@ def argparse_hidden():
     return argparse.SUPPRESS
 
 
+def require_vllm_and_model(script: str, model: str):
+    """``(vllm, config)``: vLLM's module and the model's ``config.json`` as a dict; where either is
+    missing, one line on stderr saying which and exit status 2 (as common.require_cuda)."""
+    try:
+        import vllm
+    except ImportError as error:
+        print(f"{script} needs vLLM (pip install vllm==0.24.0): {error}", file=sys.stderr)
+        sys.exit(2)
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        print(f"--model {model} is not a model directory (no config.json)", file=sys.stderr)
+        sys.exit(2)
+    return vllm, json.loads(config.read_text())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    try:
-        import vllm
-    except ImportError as error:
-        print(f"bench/vllm_e2e.py needs vLLM (pip install vllm==0.24.0): {error}", file=sys.stderr)
-        return 2
-    if not (Path(args.model) / "config.json").is_file():
-        print(f"--model {args.model} is not a model directory (no config.json)", file=sys.stderr)
-        return 2
+    vllm, _ = require_vllm_and_model("bench/vllm_e2e.py", args.model)
     if args.long_lengths and max(args.long_lengths) + 1 > yarn_positions(args):
         print(f"--long-lengths: {max(args.long_lengths)} tokens and one new token exceed the {yarn_positions(args)} "
               f"positions the model has with YaRN factor {args.yarn_factor}", file=sys.stderr)
