@@ -88,6 +88,10 @@ def worker(args) -> int:
                   tensor_parallel_size=args.tensor_parallel_size)
     if args.worker == "cosa":
         kwargs["additional_config"] = {"cosa": settings}
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.block_size:
+        kwargs["block_size"] = args.block_size
     long_phase = args.phase == "long"
     if long_phase:
         kwargs.update(yarn_engine_arguments(args.model, args.yarn_factor))
@@ -234,6 +238,9 @@ def run_worker(args, impl: str, phase: str) -> dict | str:
            "--min-prefill-tokens", str(args.min_prefill_tokens), "--yarn-factor", str(args.yarn_factor),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    for flag, value in (("--max-num-batched-tokens", args.max_num_batched_tokens), ("--block-size", args.block_size)):
+        if value:
+            cmd += [flag, str(value)]
     if args.account:
         cmd.append("--account")
     if args.haystack:
@@ -330,6 +337,11 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=8, help="prompts of the mixed-length batch (0: none)")
     ap.add_argument("--min-prefill-tokens", type=int, default=4096, help="CoSA's min_prefill_tokens setting")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="vLLM's token budget per step, which sets the chunk length of a long prefill "
+                         "(default: vLLM's); each engine's results record the value used")
+    ap.add_argument("--block-size", type=int, default=None, choices=(16, 32, 64, 128, 256),
+                    help="vLLM's KV-cache block size, the page size CoSA reads (default: vLLM's, 16)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="GPUs each engine shards the model over (vLLM's tensor parallelism; default 1)")
     ap.add_argument("--haystack", default=None, help="folder of .txt essays for the prompts (default: synthetic filler)")
@@ -356,6 +368,8 @@ def parse_args(argv=None):
         ap.error("--yarn-factor must be greater than 1")
     if args.min_prefill_tokens < 1:
         ap.error("--min-prefill-tokens must be at least 1")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 128:
+        ap.error("--max-num-batched-tokens must be at least 128")
     if args.tensor_parallel_size < 1:
         ap.error("--tensor-parallel-size must be at least 1")
     return args

@@ -1200,7 +1200,9 @@ def test_vllm_e2e_arguments(tmp_path, capsys):
     for bad, message in ((["--reps", "0"], "--reps"), (["--lengths", "0"], "positive"),
                          (["--gpu-memory-utilization", "1.5"], "utilization"), (["--batch", "-1"], "--batch"),
                          (["--yarn-factor", "0.5"], "--yarn-factor"), (["--min-prefill-tokens", "0"], "--min-prefill"),
-                         (["--tensor-parallel-size", "0"], "--tensor-parallel-size")):
+                         (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+                         (["--max-num-batched-tokens", "100"], "--max-num-batched-tokens"),
+                         (["--block-size", "24"], "--block-size")):
         with pytest.raises(SystemExit):
             vllm_e2e.parse_args(["--model", str(tmp_path), *bad])
         assert message in capsys.readouterr().err
