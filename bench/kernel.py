@@ -21,7 +21,9 @@ i.e. without the ops' checks of index-tensor contents and their one host synchro
 -graph: replayed from a CUDA graph, so without any host work: the GPU time of the kernels alone.
 The stride-<s>[-fp8] rows also hold stages_ms: each KAP kernel's time per call under torch.profiler;
 the kap/default row holds frac_of_fa4_paired, its time over FA4 dense's in interleaved rounds on the
-same inputs, when FA4 runs.)
+same inputs, when FA4 runs; the osk list rows hold skip_tax_paired (skip-on rows) and x_peer_paired
+(skip-off row: FA4 dense's time over OSK's on the causal lists, Flex FLASH's on the random ones), each
+from interleaved rounds.)
 Every row carries "heads": "<Hq>/<Hkv>". --heads runs the sections once per head configuration (the
 query and KV heads of one layer, or of one tensor-parallel rank's share of it; --heads all: the
 configurations of HEAD_CONFIGS); each row's speed-ups are against the anchors of its own configuration.
@@ -585,9 +587,15 @@ class Bench:
     def list_rows(self, ctx, budget: float):
         """Flex and OSK on one set of lists: the causal lists at budget 1, else random lists."""
         lists = self.lists_at(ctx, budget)
-        flex_out = self.flex_rows(ctx, lists) if self.want("flex") else None
+        flex_out, flex_flash_run = self.flex_rows(ctx, lists) if self.want("flex") else (None, None)
         if self.want("osk") and self.has("osk") and ctx["sets"].first.k_cache is not None:
-            self.osk_list_rows(ctx, lists, flex_out)
+            # The peer OSK's targets are stated against: FA4 dense for every causal block, FlexAttention's
+            # FLASH backend (FA4's kernel) on the same BlockMask for the random lists.
+            if lists.impl == "dense":
+                peer = ("fa4", self.fa4_run(ctx)) if self.fa4 is not None and self.peer_runs("fa4") else None
+            else:
+                peer = ("flex-flash", flex_flash_run) if flex_flash_run is not None else None
+            self.osk_list_rows(ctx, lists, flex_out, peer)
 
     def lists_at(self, ctx, budget: float) -> Lists:
         n, nq, blocks = ctx["n"], ctx["nq"], ctx["blocks"]
@@ -603,9 +611,10 @@ class Bench:
             ref = reference_rows(first.q, first.k, first.v, order, counts, blocks, self.scale)
         return Lists(impl, order, counts, ref, int(counts.sum()) / causal_blocks(nq, hq), block_flops(counts))
 
-    def flex_rows(self, ctx, lists: Lists) -> torch.Tensor:
+    def flex_rows(self, ctx, lists: Lists):
         """FlexAttention on the lists with its Triton kernel, then with the FLASH backend (FA4's CuTe
-        kernel, an optional peer) on the same BlockMask. Returns the Triton output [N, Hq, d]."""
+        kernel, an optional peer) on the same BlockMask. Returns the Triton output [N, Hq, d] and the
+        FLASH backend's call on an input set (None where it does not run)."""
         n, sets, blocks = ctx["n"], ctx["sets"], ctx["blocks"]
         mask = flex_block_mask(lists.order, lists.counts)
         flex = flex_attention_compiled()
@@ -617,9 +626,8 @@ class Bench:
         err = relative_error(rows_of(out, blocks, n), lists.ref)
         ms = time_ms(lambda: run(sets.take()))
         self.add("flex", lists.impl, n, ms, lists.flops, budget=lists.budget, rel_err=err)
-        if self.peer_runs("flex-flash"):
-            self.flex_flash_row(ctx, lists, flex, mask)
-        return out
+        flash_run = self.flex_flash_row(ctx, lists, flex, mask) if self.peer_runs("flex-flash") else None
+        return out, flash_run
 
     def flex_flash_row(self, ctx, lists: Lists, flex, mask):
         n, sets, blocks = ctx["n"], ctx["sets"], ctx["blocks"]
@@ -629,17 +637,19 @@ class Bench:
             ctx["flex_flash_compiled"] = True
         out = self.peer_first_call("flex-flash", run, sets.first)
         if out is None:
-            return
+            return None
         err = relative_error(rows_of(out[0].transpose(0, 1), blocks, n), lists.ref)
         del out
         ms = time_ms(lambda: run(sets.take()))
         self.add("flex", f"flash-{lists.impl}", n, ms, lists.flops, budget=lists.budget, rel_err=err,
                  note="kernel_options BACKEND FLASH")
+        return run
 
-    def osk_list_rows(self, ctx, lists: Lists, flex_out: torch.Tensor | None):
+    def osk_list_rows(self, ctx, lists: Lists, flex_out: torch.Tensor | None, paired_peer=None):
         """OSK on the lists with the skip off (delta 0), then, per vote scope, with the skip on at a
         delta so small that no block is skipped (NO_SKIP_DELTA): what the skip machinery costs the
-        blocks that are computed (skip_tax: time over the skip-off time)."""
+        blocks that are computed (skip_tax: time over the skip-off time). Then the same ratios in
+        paired rounds (osk_paired), against ``paired_peer`` too: ``(name, call on an input set)`` or None."""
         n, sets, blocks = ctx["n"], ctx["sets"], ctx["blocks"]
         order, counts = lists.order, lists.counts
         if lists.impl == "dense":
@@ -655,19 +665,47 @@ class Bench:
         peer_err = relative_error(out, peer) if peer is not None else None
         del out
         ms_off = time_ms(lambda: osk_call(self.cosa, sets.take(), order, counts, n, 0.0))
-        self.add("osk", lists.impl, n, ms_off, lists.flops, budget=lists.budget, delta=0.0, rel_err=err,
-                 rel_err_peer=peer_err, peer=peer_name if peer is not None else None,
-                 skipped=int(skipped.sum()))
+        off_row = self.add("osk", lists.impl, n, ms_off, lists.flops, budget=lists.budget, delta=0.0, rel_err=err,
+                           rel_err_peer=peer_err, peer=peer_name if peer is not None else None,
+                           skipped=int(skipped.sum()), note="")
+        on_rows = {}
         for vote in VOTES:
             out, _, skipped = osk_call(self.cosa, sets.first, order, counts, n, NO_SKIP_DELTA, vote)
             err = relative_error(rows_of(out, blocks, n), lists.ref)
             del out
             ms = time_ms(lambda vote=vote: osk_call(self.cosa, sets.take(), order, counts, n, NO_SKIP_DELTA, vote))
             halves = int(skipped.sum())
-            self.add("osk", f"{lists.impl}-skipon-{vote}", n, ms, block_flops(counts, skipped),
-                     budget=lists.budget, delta=NO_SKIP_DELTA, vote=vote, rel_err=err, skipped=halves,
-                     skip_tax=ms / ms_off,
-                     note=f"skip on, {halves} halves skipped: {ms / ms_off:.3f}x the skip-off time")
+            on_rows[vote] = self.add(
+                "osk", f"{lists.impl}-skipon-{vote}", n, ms, block_flops(counts, skipped),
+                budget=lists.budget, delta=NO_SKIP_DELTA, vote=vote, rel_err=err, skipped=halves,
+                skip_tax=ms / ms_off, note=f"skip on, {halves} halves skipped: {ms / ms_off:.3f}x the skip-off time")
+        self.osk_paired(ctx, lists, off_row, on_rows, paired_peer)
+
+    def osk_paired(self, ctx, lists: Lists, off_row: dict, on_rows: dict, peer):
+        """The ratios OSK's targets are stated in, from PAIRED_ROUNDS interleaved rounds on the same
+        inputs (common.interleaved_ms): each skip-on time over the skip-off time (``skip_tax_paired``
+        on the skip-on rows) and, with a ``peer`` ``(name, call)``, the peer's time over OSK's with the
+        skip off (``x_peer_paired`` on the skip-off row, ``peer_paired`` naming the peer); each with
+        the quartiles of the per-round ratios. Rows timed one after another differ by a few percent
+        from run to run, as much as the margins these ratios are read for."""
+        n, sets, order, counts = ctx["n"], ctx["sets"], lists.order, lists.counts
+        fns = {"off": lambda: osk_call(self.cosa, sets.take(), order, counts, n, 0.0)}
+        for vote in on_rows:
+            fns[vote] = lambda vote=vote: osk_call(self.cosa, sets.take(), order, counts, n, NO_SKIP_DELTA, vote)
+        if peer is not None:
+            fns["peer"] = lambda: peer[1](sets.take())
+        times = interleaved_ms(fns, rounds=PAIRED_ROUNDS)
+        if peer is not None:
+            off_row.update(x_peer_paired=paired_ratio(times["peer"], times["off"]),
+                           x_peer_paired_quartiles=list(paired_ratio_quartiles(times["peer"], times["off"])),
+                           peer_paired=peer[0])
+            off_row["note"] = (f"{off_row['x_peer_paired']:.3f}x {peer[0]} in {PAIRED_ROUNDS} paired rounds "
+                               f"[{off_row['x_peer_paired_quartiles'][0]:.3f} {off_row['x_peer_paired_quartiles'][1]:.3f}]")
+        for vote, row in on_rows.items():
+            row["skip_tax_paired"] = paired_ratio(times[vote], times["off"])
+            row["skip_tax_paired_quartiles"] = list(paired_ratio_quartiles(times[vote], times["off"]))
+            row["note"] += f"; paired {row['skip_tax_paired']:.3f}x"
+        progress(f"  osk/{lists.impl} n={n}: paired rounds done")
 
     def skip_cost_rows(self, ctx):
         """Cost of an in-kernel skipped block against a computed one, per vote scope, on one input
@@ -796,6 +834,12 @@ class Bench:
                             "device checks off")
         self.kap_share_of_fa4(ctx, run, row)
 
+    def fa4_run(self, ctx):
+        """FA4 dense as a call on an input set, after its first (compiling, untimed) call; None where
+        FA4 fails, its rows then left out."""
+        run = lambda s: fa4_dense(self.fa4, s.q, s.k, s.v)  # noqa: E731
+        return run if self.peer_first_call("fa4", run, ctx["sets"].first) is not None else None
+
     def kap_share_of_fa4(self, ctx, run_kap, row: dict):
         """KAP's share of FA4 dense, the number its target is stated in, from KAP as the backend runs it
         (device checks off) and FA4 timed in PAIRED_ROUNDS interleaved rounds on the same inputs
@@ -806,10 +850,10 @@ class Bench:
         for."""
         if self.fa4 is None or not self.peer_runs("fa4"):
             return
-        sets = ctx["sets"]
-        fa4_run = lambda s: fa4_dense(self.fa4, s.q, s.k, s.v)  # noqa: E731
-        if self.peer_first_call("fa4", fa4_run, sets.first) is None:
+        fa4_run = self.fa4_run(ctx)
+        if fa4_run is None:
             return
+        sets = ctx["sets"]
         with self.cosa.set_device_checks(False):
             times = interleaved_ms({"kap": lambda: run_kap(sets.take()), "fa4": lambda: fa4_run(sets.take())},
                                    rounds=PAIRED_ROUNDS)
