@@ -733,17 +733,22 @@ class Bench:
         self.add("osk", "skipcost-first", n, t_first, block_flops(first_counts),
                  budget=int(first_counts.sum()) / causal_blocks(nq, hq), delta=0.0)
         after_first = max(1, int((counts - 1).sum()))  # the blocks that should all be skipped
+        skip_rows = {}
         for vote in VOTES:
             out_skip, _, skipped = run(order, counts, SKIP_DELTA, vote)
             err = relative_error(out_skip, out_full)
             del out_skip
             t_skip = time_ms(lambda vote=vote: run(order, counts, SKIP_DELTA, vote))
             cost = (t_skip - t_first) / (t_full - t_first) if t_full > t_first else None
-            self.add("osk", f"skipcost-skip-{vote}", n, t_skip, block_flops(counts, skipped), budget=1.0,
-                     delta=SKIP_DELTA, vote=vote, rel_err=err,
-                     realised=1.0 - skipped_blocks(skipped) / int(counts.sum()),
-                     skipped_fraction=skipped_blocks(skipped) / after_first, skip_cost=cost,
-                     note=f"skip cost {cost:.2f} of a computed block" if cost is not None else None)
+            skip_rows[vote] = self.add(
+                "osk", f"skipcost-skip-{vote}", n, t_skip, block_flops(counts, skipped), budget=1.0,
+                delta=SKIP_DELTA, vote=vote, rel_err=err, realised=1.0 - skipped_blocks(skipped) / int(counts.sum()),
+                skipped_fraction=skipped_blocks(skipped) / after_first, skip_cost=cost,
+                note=f"skip cost {cost:.2f} of a computed block" if cost is not None else "")
+        times = interleaved_ms({"full": lambda: run(order, counts, 0.0), "first": lambda: run(first_order, first_counts, 0.0),
+                                **{vote: lambda vote=vote: run(order, counts, SKIP_DELTA, vote) for vote in VOTES}},
+                               rounds=PAIRED_ROUNDS)
+        add_paired_skip_costs(skip_rows, times)
 
     def structured_rows(self, ctx):
         """OSK with skip over every causal block (ascending order), and CoSA end to end, per vote
@@ -871,6 +876,21 @@ class Bench:
     def finish(self):
         add_speedups(self.rows)
         self.save()
+
+
+def add_paired_skip_costs(skip_rows: dict, times: dict) -> None:
+    """``skip_cost_paired`` (and its quartiles) on each skipcost-skip row: the skip cost of
+    Bench.skip_cost_rows computed round by round from interleaved rounds of the full, first-block
+    and skip runs (``times``: per-round times by "full", "first" and vote), then the median."""
+    for vote, row in skip_rows.items():
+        costs = [(skip - first) / (full - first)
+                 for full, first, skip in zip(times["full"], times["first"], times[vote]) if full > first]
+        if not costs:
+            continue
+        row["skip_cost_paired"] = statistics.median(costs)
+        q1, _, q3 = statistics.quantiles(costs, n=4, method="inclusive") if len(costs) > 1 else (costs[0],) * 3
+        row["skip_cost_paired_quartiles"] = [q1, q3]
+        row["note"] += f"; paired {row['skip_cost_paired']:.2f} [{q1:.2f} {q3:.2f}]"
 
 
 def add_speedups(rows: list[dict]) -> None:

@@ -53,3 +53,16 @@ def test_without_a_peer_only_the_skip_tax_is_paired(monkeypatch):
     bench.osk_paired({"n": 4096, "sets": FakeSets()}, lists(), off, on, None)
     assert set(seen["fns"]) == {"off", "tile"} and "x_peer_paired" not in off
     assert on["tile"]["skip_tax_paired"] == pytest.approx(1.5)
+
+
+def test_paired_skip_costs_are_taken_round_by_round():
+    """Per round (skip - first) / (full - first), then the median: a round whose clock ran slow for
+    every call gives the same cost as the others."""
+    rows = {"tile": {"note": ""}, "warpgroup": {"note": ""}}
+    times = {"full": [10.0, 20.0, 10.0], "first": [2.0, 4.0, 2.0], "tile": [6.0, 12.0, 6.0],
+             "warpgroup": [4.0, 8.0, 5.0]}
+    kernel.add_paired_skip_costs(rows, times)
+    assert rows["tile"]["skip_cost_paired"] == pytest.approx(0.5)
+    assert rows["warpgroup"]["skip_cost_paired"] == pytest.approx(0.25)
+    assert rows["warpgroup"]["skip_cost_paired_quartiles"] == pytest.approx([0.25, 0.3125])
+    assert "paired 0.50" in rows["tile"]["note"]
