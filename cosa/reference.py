@@ -59,6 +59,18 @@ def _sequences(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor):
         first_block += cdiv(lq, BLOCK)
 
 
+def diagonal_blocks(prefix: int, lq: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, last)``, int64 ``[ceil(lq / 128)]``: for each query block ``i`` of a sequence with
+    ``prefix`` cached keys and ``lq`` queries (block ``i`` holds queries ``128 i ..``, at positions
+    ``prefix + 128 i + r``), the key blocks that hold the positions of its first and of its last
+    query, its diagonal blocks (spec section 1). Both are ``prefix / 128 + i`` when the prefix is a
+    multiple of 128; otherwise ``last`` is ``first + 1`` where the block's queries cross a key block's
+    start. Key blocks after ``last`` are beyond every query of the block."""
+    starts = torch.arange(0, lq, BLOCK, device=device, dtype=torch.int64)
+    ends = torch.clamp(starts + BLOCK, max=lq) - 1
+    return (prefix + starts) // BLOCK, (prefix + ends) // BLOCK
+
+
 def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
     """The first ``length`` tokens of sequence ``b`` from a paged cache, as ``[length, H, d]``."""
     page_size = cache.shape[1]
@@ -84,9 +96,9 @@ def _kap_sequence_scores(qb, kb, prefix, stride, scale):
     """Scores ``S`` and HRM flags ``H`` ``[Hq, nq, nk]`` of one sequence (spec 2.1-2.4).
 
     qb: [Lq, Hq, d] and kb: [Lk, Hkv, d] in the compute dtype. Entries that are not causal
-    candidates (j > P/128 + i) get S = -inf and H = False. Non-finite inputs (spec section 6): a NaN
-    proxy logit drops out of the maxima; a stride row left with no maximum makes the scores of its
-    query block NaN."""
+    candidates (j past the block's last diagonal block, diagonal_blocks) get S = -inf and H = False.
+    Non-finite inputs (spec section 6): a NaN proxy logit drops out of the maxima; a stride row left
+    with no maximum makes the scores of its query block NaN."""
     lq, hq, d = qb.shape
     lk, hkv = kb.shape[0], kb.shape[1]
     s = stride
@@ -107,6 +119,8 @@ def _kap_sequence_scores(qb, kb, prefix, stride, scale):
         z = (scale / s) * torch.matmul(qs[:, r0:r1], ks.transpose(1, 2))
         z = torch.nn.functional.pad(z, (0, nk * rows_per_block - nc), value=-math.inf)
         rows = torch.arange(r0, r1, device=qb.device)
+        # A cell is causal when its first key is at or before its stride row's first query:
+        # c * s <= P + r * s, i.e. c <= r + floor(P / s) for any prefix.
         allowed = cols[None, :] <= rows[:, None] + prefix // s
         # NaN cells (non-finite inputs) drop out of the maxima, as the kernel's fmaxf drops them.
         z = z.masked_fill(~allowed | z.isnan(), -math.inf)
@@ -123,14 +137,12 @@ def _kap_sequence_scores(qb, kb, prefix, stride, scale):
     # 2.4 block scores and HRM flags over the stride rows each query block owns.
     scores = pbar.reshape(hq, nq, rows_per_block, nk).sum(2)
     hrm = is_row_max.reshape(hq, nq, rows_per_block, nk).any(2)
-    candidate = torch.arange(nk, device=qb.device)[None, :] <= (
-        prefix // BLOCK + torch.arange(nq, device=qb.device)[:, None]
-    )
+    candidate = torch.arange(nk, device=qb.device)[None, :] <= diagonal_blocks(prefix, lq, qb.device)[1][:, None]
     scores = scores.masked_fill(~candidate, -math.inf)
     return scores, hrm & candidate
 
 
-def _kap_select(scores, hrm, prefix, top_p):
+def _kap_select(scores, hrm, prefix, lq, top_p):
     """Spec 2.5-2.6: ordered lists ``[Hq, nq, nk]`` (-1 padded) and counts ``[Hq, nq]``."""
     hq, nq, nk = scores.shape
     device = scores.device
@@ -148,8 +160,8 @@ def _kap_select(scores, hrm, prefix, top_p):
     total = sorted_s.sum(-1, keepdim=True)
     before = torch.cumsum(sorted_s, -1) - sorted_s
     in_prefix = ~(before >= top_p * total) if _float32(top_p) < 1.0 else torch.ones_like(sorted_h)
-    diagonal = prefix // BLOCK + torch.arange(nq, device=device)[None, :, None]
-    keep = (in_prefix | sorted_h | (sorted_j == 0) | (sorted_j == diagonal)) & sorted_candidate
+    first, last = (d[None, :, None] for d in diagonal_blocks(prefix, lq, device))
+    keep = (in_prefix | sorted_h | (sorted_j == 0) | (sorted_j == first) | (sorted_j == last)) & sorted_candidate
     # Compact the kept entries to the front, keeping their sort order.
     front = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
     counts = keep.sum(-1).to(torch.int32)
@@ -257,7 +269,7 @@ def kap(q, k_cache, page_table, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqle
         if nq == 0:
             continue
         rows = slice(g0, g0 + nq)
-        o_b, c_b = _kap_select(scores[:, rows, :nk], hrm[:, rows, :nk], lk - lq, top_p)
+        o_b, c_b = _kap_select(scores[:, rows, :nk], hrm[:, rows, :nk], lk - lq, lq, top_p)
         order[:, rows, :nk] = o_b
         counts[:, rows] = c_b
     return order, counts
@@ -274,9 +286,9 @@ def causal_order(cu_seqlens_q, seqused_k, num_heads_q, max_seqlen_q, max_seqlen_
     j = torch.arange(max_nk, device=device, dtype=torch.int32)
     for _, _, lq, lk, g0 in _sequences(cu_seqlens_q, seqused_k):
         nq = cdiv(lq, BLOCK)
-        diagonal = (lk - lq) // BLOCK + torch.arange(nq, device=device, dtype=torch.int32)
-        order[:, g0:g0 + nq] = torch.where(j[None, :] <= diagonal[:, None], j[None, :], -1)
-        counts[:, g0:g0 + nq] = diagonal + 1
+        last = diagonal_blocks(lk - lq, lq, device)[1].to(torch.int32)
+        order[:, g0:g0 + nq] = torch.where(j[None, :] <= last[:, None], j[None, :], -1)
+        counts[:, g0:g0 + nq] = last + 1
     return order, counts
 
 
@@ -416,8 +428,7 @@ def budgets(counts, skipped, cu_seqlens_q, seqused_k):
     halves of tiles, so a block skipped by the whole tile counts one block."""
     causal = 0
     for _, _, lq, lk, _ in _sequences(cu_seqlens_q, seqused_k):
-        nq = cdiv(lq, BLOCK)
-        causal += nq * ((lk - lq) // BLOCK) + nq * (nq + 1) // 2
+        causal += int((diagonal_blocks(lk - lq, lq)[1] + 1).sum())
     causal *= counts.shape[0]
     visited = int(counts.sum())
     return visited / causal, (visited - int(skipped.sum()) / 2) / causal

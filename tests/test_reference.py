@@ -378,3 +378,47 @@ def test_the_row_check_catches_one_wrong_row():
     assert rel_err(wrong, out) < 0.1
     with pytest.raises(AssertionError, match=r"1 of \d+ rows differ; worst row \(123, 1\)"):
         assert_rows_close(wrong, out, atol=1e-6)
+
+
+# Any prefix (spec section 1): the reference places query blocks at each sequence's first query
+# whatever the prefix; the ops still require a multiple of 128 (tests/test_ops.py).
+UNALIGNED = dict(seqlens_q=(300, 77, 129, 20), seqlens_k=(300 + 100, 77 + 1, 129 + 255, 20 + 100))
+UNALIGNED_LQ = [lq for lq in UNALIGNED["seqlens_q"] for _ in range(R.cdiv(lq, R.BLOCK))]  # Lq of each query block
+
+
+def test_diagonal_blocks_for_any_prefix():
+    first, last = R.diagonal_blocks(256, 300)
+    assert first.tolist() == last.tolist() == [2, 3, 4]  # aligned: one diagonal block, P/128 + i
+    first, last = R.diagonal_blocks(100, 300)  # positions 100-227, 228-355, 356-399
+    assert first.tolist() == [0, 1, 2] and last.tolist() == [1, 2, 3]
+    first, last = R.diagonal_blocks(100, 20)  # positions 100-119: within key block 0
+    assert first.tolist() == last.tolist() == [0]
+    assert [t.tolist() for t in R.diagonal_blocks(5, 0)] == [[], []]
+
+
+def test_any_prefix_at_top_p_one_equals_dense():
+    p = problem(**UNALIGNED, structure="mixed", seed=21)
+    order, counts = run_kap(p, top_p=1.0)
+    full_order, full_counts = dense_order(p)
+    assert torch.equal(counts, full_counts), "top_p = 1 must keep every causal candidate"
+    assert torch.equal(order.sort(-1).values, full_order.sort(-1).values)
+    for g, prefix, i in query_blocks(p):  # every candidate up to the block of its last query's position
+        assert int(full_counts[0, g]) == int(R.diagonal_blocks(prefix, UNALIGNED_LQ[g])[1][i]) + 1
+    out, lse, skipped = run_osk(p, order, counts, delta=0.0)
+    ref_out, ref_lse = run_dense(p)
+    assert_rows_close(out, ref_out, atol=1e-12)
+    assert torch.allclose(lse, ref_lse, atol=1e-5)
+    assert R.budgets(counts, skipped, p["cu_seqlens_q"], p["seqused_k"]) == (1.0, 1.0)
+
+
+def test_any_prefix_lists_keep_the_sink_and_both_diagonal_blocks():
+    p = problem(**UNALIGNED, structure="mixed", seed=22)
+    order, counts = run_kap(p, top_p=0.3)
+    for g, prefix, i in query_blocks(p):
+        first, last = (int(t[i]) for t in R.diagonal_blocks(prefix, UNALIGNED_LQ[g]))
+        for h in range(order.shape[0]):
+            listed = order[h, g, : int(counts[h, g])].tolist()
+            assert {0, first, last} <= set(listed) and max(listed) == last, (h, g, listed)
+    # With the skip on, the lists still give attention close to dense on clear structure.
+    out, _, _ = run_osk(p, order, counts, delta=100.0)
+    assert rel_err(out, run_dense(p)[0]) < 0.1  # 0.055 here
