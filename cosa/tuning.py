@@ -67,11 +67,12 @@ def _in_domain(name: str, value) -> str | None:
         # The kernels hold it in float32: it must stay a finite, normal float32 there.
         return (f"softmax_scale must be a positive number in float32's normal range [{FLOAT32_MIN_NORMAL!r}, "
                 f"{FLOAT32_MAX!r}], got {value!r}")
-    if name == "delta" and not (math.isfinite(value) and (value <= 0.0 or value >= FLOAT32_MIN_NORMAL)):
-        # The kernels hold delta in float32 and flush subnormals to zero, where the skip would be off;
-        # the reference would keep it on.
-        return (f"delta must be a finite number, <= 0 (which disables the in-kernel skip) or at least "
-                f"{FLOAT32_MIN_NORMAL!r} (float32's smallest normal number), got {value!r}")
+    if name == "delta" and not (abs(value) <= FLOAT32_MAX and (value <= 0.0 or value >= FLOAT32_MIN_NORMAL)):
+        # The kernels hold delta in float32, where a larger magnitude is infinite, and flush subnormals
+        # to zero, where the skip would be off; the reference would keep it on.
+        return (f"delta must be a number of magnitude at most {FLOAT32_MAX!r} (finite in float32), <= 0 (which "
+                f"disables the in-kernel skip) or at least {FLOAT32_MIN_NORMAL!r} (float32's smallest normal "
+                f"number), got {value!r}")
     if name in VALUE_SETS and value not in names(name):
         return f"{name} must be {_names_listed(name)}, got '{value}'"
     return None

@@ -35,11 +35,12 @@ inline bool valid_softmax_scale(double scale) {
   return scale >= std::numeric_limits<float>::min() && scale <= std::numeric_limits<float>::max();
 }
 
-// OSK's skip scale: finite, <= 0 (which turns the in-kernel skip off) or at least float32's smallest
-// normal number: the kernels hold delta in float32 and flush subnormals to zero, where the skip would
-// be off while the reference would keep it on.
+// OSK's skip scale: finite in float32, <= 0 (which turns the in-kernel skip off) or at least float32's
+// smallest normal number: the kernels hold delta in float32, where a larger magnitude is infinite, and
+// flush subnormals to zero, where the skip would be off while the reference would keep it on.
 inline bool valid_delta(double delta) {
-  return std::isfinite(delta) && (delta <= 0.0 || delta >= std::numeric_limits<float>::min());
+  return std::abs(delta) <= std::numeric_limits<float>::max() &&
+         (delta <= 0.0 || delta >= std::numeric_limits<float>::min());
 }
 
 // Whether a launch with this delta may skip blocks at all (spec section 3).

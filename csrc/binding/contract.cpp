@@ -98,9 +98,10 @@ void check_scalars(const OpArgs& a) {
                      *a.softmax_scale);
   }
   if (a.delta) {
-    COSA_CHECK_VALUE(cosa::valid_delta(*a.delta), op,
-                     "delta must be a finite number, <= 0 (which disables the in-kernel skip) or at least ",
-                     std::numeric_limits<float>::min(), " (float32's smallest normal number), got ", *a.delta);
+    COSA_CHECK_VALUE(cosa::valid_delta(*a.delta), op, "delta must be a number of magnitude at most ",
+                     std::numeric_limits<float>::max(), " (finite in float32), <= 0 (which disables the "
+                     "in-kernel skip) or at least ", std::numeric_limits<float>::min(),
+                     " (float32's smallest normal number), got ", *a.delta);
   }
   if (a.vote) {
     COSA_CHECK_VALUE(cosa::parse_vote(*a.vote), op, "vote must be ", cosa::kVoteScopeNames, ", got '",
