@@ -3,6 +3,7 @@ GGUF file through transformers, with YaRN rope scaling past the model's own posi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -36,6 +37,15 @@ def yarn_rope_parameters(config: dict, factor: float) -> dict:
     theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     return {"rope_type": "yarn", "factor": float(factor), "rope_theta": theta,
             "original_max_position_embeddings": config.get("max_position_embeddings", 32768)}
+
+
+def yarn_engine_arguments(model_dir: str, factor: float) -> dict:
+    """The vLLM engine arguments that run the model directory ``model_dir`` with YaRN rope scaling by
+    ``factor`` over its own positions: ``max_model_len``, the positions it then has, and
+    ``hf_overrides``' ``rope_parameters`` (yarn_rope_parameters)."""
+    rope = yarn_rope_parameters(json.loads((Path(model_dir) / "config.json").read_text()), factor)
+    return {"max_model_len": int(rope["original_max_position_embeddings"] * factor),
+            "hf_overrides": {"rope_parameters": rope}}
 
 
 def yarn_config(config, factor: float):

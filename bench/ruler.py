@@ -73,15 +73,6 @@ IDENTITY = ("model", "seed", "yarn_factor", "min_prefill_tokens", "floor")
 TARGET_MAX_GAP, TARGET_MIN_DIFF_LOW, TARGET_MIN_SAMPLES = 0.01, -0.02, 50
 
 
-def yarn_rope_parameters(model_dir: str, factor: float) -> tuple[dict, int]:
-    """``(rope_parameters, positions)``: YaRN over the model's own positions and rope theta
-    (models.yarn_rope_parameters), and the positions it then has."""
-    import models
-
-    rope = models.yarn_rope_parameters(json.loads((Path(model_dir) / "config.json").read_text()), factor)
-    return rope, int(rope["original_max_position_embeddings"] * factor)
-
-
 def samples_at(args, n: int) -> int:
     return args.long_samples if n in args.long_lengths else args.samples
 
@@ -167,8 +158,9 @@ def worker(args) -> int:
     if args.worker == "cosa":
         kwargs["additional_config"] = {"cosa": {"min_prefill_tokens": args.min_prefill_tokens}}
     if long_phase:
-        rope, _ = yarn_rope_parameters(args.model, args.yarn_factor)
-        kwargs["hf_overrides"] = {"rope_parameters": rope}
+        import models
+
+        kwargs["hf_overrides"] = models.yarn_engine_arguments(args.model, args.yarn_factor)["hf_overrides"]
     started = time.perf_counter()
     llm = LLM(**kwargs)
     results.state["engines"][f"{args.worker}-{args.phase}"] = {
@@ -564,7 +556,9 @@ def main(argv=None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"--model {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
-    _, positions = yarn_rope_parameters(args.model, args.yarn_factor)
+    import models
+
+    positions = models.yarn_engine_arguments(args.model, args.yarn_factor)["max_model_len"]
     if args.long_lengths and max(args.long_lengths) > positions:
         print(f"--long-lengths: {max(args.long_lengths)} exceeds the {positions} positions YaRN x{args.yarn_factor:g} "
               "gives the model", file=sys.stderr)

@@ -81,6 +81,7 @@ def worker(args) -> int:
     from vllm.inputs import TokensPrompt
 
     import accuracy_tasks
+    import models
 
     settings = {"min_prefill_tokens": args.min_prefill_tokens}
     kwargs = dict(model=args.model, dtype="bfloat16", seed=0, enable_prefix_caching=False,
@@ -94,7 +95,7 @@ def worker(args) -> int:
         kwargs["block_size"] = args.block_size
     long_phase = args.phase == "long"
     if long_phase:
-        kwargs.update(yarn_engine_arguments(args.model, args.yarn_factor))
+        kwargs.update(models.yarn_engine_arguments(args.model, args.yarn_factor))
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result = {"impl": args.worker, "phase": args.phase, "startup_s": time.perf_counter() - started,
@@ -196,16 +197,9 @@ def num_layers(model: str) -> int:
 
 def yarn_positions(args) -> int:
     """The positions the model has with YaRN: its own times --yarn-factor."""
-    return yarn_engine_arguments(args.model, args.yarn_factor)["max_model_len"]
-
-
-def yarn_engine_arguments(model: str, factor: float) -> dict:
-    """The engine arguments that run ``model`` with YaRN rope scaling by ``factor`` over all its positions."""
     import models
 
-    config = json.loads((Path(model) / "config.json").read_text())
-    return {"max_model_len": int(config.get("max_position_embeddings", 32768) * factor),
-            "hf_overrides": {"rope_parameters": models.yarn_rope_parameters(config, factor)}}
+    return models.yarn_engine_arguments(args.model, args.yarn_factor)["max_model_len"]
 
 
 def run_engine(script: str, worker_args: list[str], label: str, log_dir: str | None, log_name: str) -> dict | str:

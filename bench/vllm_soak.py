@@ -46,9 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (REPO_ROOT, argument_parser, finish_report, format_table, progress, save_figure,  # noqa: E402
                     start_run, write_json)
 import accuracy_tasks  # noqa: E402
+import models  # noqa: E402
 import stats  # noqa: E402
 from vllm_e2e import (IMPLS, NEEDLE_NEW_TOKENS, argparse_hidden, rank_routing_counts, reset_rank_routing,  # noqa: E402
-                      run_engine, require_vllm_and_model, yarn_engine_arguments)
+                      run_engine, require_vllm_and_model)
 
 PHASES = ("mixed", "long")
 SINGLE_TASKS = ("niah_single", "niah_multikey", "vt")
@@ -296,7 +297,7 @@ def engine_arguments(args, impl: str, phase: str) -> dict:
     if phase == "mixed":
         kwargs.update(max_model_len=args.max_length, num_gpu_blocks_override=args.kv_blocks)
     else:
-        kwargs.update(yarn_engine_arguments(args.model, args.yarn_factor))
+        kwargs.update(models.yarn_engine_arguments(args.model, args.yarn_factor))
     return kwargs
 
 
@@ -573,8 +574,9 @@ def main(argv=None) -> int:
     if args.max_length > positions:
         print(f"--max-length {args.max_length} exceeds the model's {positions} positions", file=sys.stderr)
         return 2
-    if args.long_requests and args.long_length > positions * args.yarn_factor:
-        print(f"--long-length {args.long_length} exceeds the {int(positions * args.yarn_factor)} positions the model "
+    yarn_positions = models.yarn_engine_arguments(args.model, args.yarn_factor)["max_model_len"]
+    if args.long_requests and args.long_length > yarn_positions:
+        print(f"--long-length {args.long_length} exceeds the {yarn_positions} positions the model "
               f"has with YaRN factor {args.yarn_factor}", file=sys.stderr)
         return 2
     from transformers import AutoTokenizer

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import models  # noqa: E402
 import ruler  # noqa: E402
 import ruler_tasks  # noqa: E402
 import stats  # noqa: E402
@@ -260,7 +261,8 @@ def test_arguments_and_missing_data(model_dir, tmp_path, capsys):
     # 4096 positions with YaRN x4: 16384 at most.
     assert ruler.main(["--model", str(model_dir), "--tasks", "vt", "--long-lengths", "20000",
                        "--out", str(tmp_path)]) == 2
-    rope, positions = ruler.yarn_rope_parameters(str(model_dir), 4.0)
+    yarn = models.yarn_engine_arguments(str(model_dir), 4.0)
+    rope, positions = yarn["hf_overrides"]["rope_parameters"], yarn["max_model_len"]
     assert positions == 16384 and rope == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                            "original_max_position_embeddings": 4096}
 
@@ -316,9 +318,9 @@ def test_transformers_path_reads_budgets_and_runs_the_peers(tiny_llama, data_dir
 
 def test_yarn_overrides_reach_the_transformers_model(tiny_llama):
     torch = pytest.importorskip("torch")
-    import models
 
-    rope, positions = ruler.yarn_rope_parameters(str(tiny_llama), 4.0)
+    yarn = models.yarn_engine_arguments(str(tiny_llama), 4.0)
+    rope, positions = yarn["hf_overrides"]["rope_parameters"], yarn["max_model_len"]
     model, _, _ = models.load_model(str(tiny_llama), "cpu", torch.bfloat16, yarn_factor=4.0)
     assert model.config.rope_parameters == rope and rope["rope_type"] == "yarn" and rope["factor"] == 4.0
     assert positions == 4 * rope["original_max_position_embeddings"]
