@@ -165,10 +165,17 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(round_ratios(numerator, denominator))
 
 
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of per-round values (both the value itself for one round)."""
+    if len(values) == 1:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
 def paired_ratio_quartiles(numerator: list[float], denominator: list[float]) -> tuple[float, float]:
     """The first and third quartiles of the same per-round ratios as paired_ratio."""
-    q1, _, q3 = statistics.quantiles(round_ratios(numerator, denominator), n=4, method="inclusive")
-    return q1, q3
+    return quartiles(round_ratios(numerator, denominator))
 
 
 class Rotation:

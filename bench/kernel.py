@@ -57,8 +57,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (REPO_ROOT, Rotation, argument_parser, finish_report, format_table, interleaved_ms,  # noqa: E402
-                    paired_ratio, paired_ratio_quartiles, progress, record_kap_stages, relative_error, save_figure,
-                    require_cuda, results_path, run_metadata, time_ms, write_json)
+                    paired_ratio, paired_ratio_quartiles, progress, quartiles, record_kap_stages, relative_error,
+                    save_figure, require_cuda, results_path, run_metadata, time_ms, write_json)
 
 BLOCK = 128
 CONFIG = {"batch": 1, "hq": 32, "hkv": 8, "d": 128, "dtype": "bfloat16", "page_size": 128}
@@ -888,7 +888,7 @@ def add_paired_skip_costs(skip_rows: dict, times: dict) -> None:
         if not costs:
             continue
         row["skip_cost_paired"] = statistics.median(costs)
-        q1, _, q3 = statistics.quantiles(costs, n=4, method="inclusive") if len(costs) > 1 else (costs[0],) * 3
+        q1, q3 = quartiles(costs)
         row["skip_cost_paired_quartiles"] = [q1, q3]
         row["note"] += f"; paired {row['skip_cost_paired']:.2f} [{q1:.2f} {q3:.2f}]"
 

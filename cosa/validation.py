@@ -37,6 +37,14 @@ def integer(op, name, value, optional=False):
     return int(value)
 
 
+def positive_integer(op, name, value):
+    """An int as :func:`integer` takes it, and at least 1 (a ValueError naming the argument otherwise)."""
+    value = integer(op, name, value)
+    if value < 1:
+        raise ValueError(f"cosa.{op}: {name} must be >= 1, got {value}")
+    return value
+
+
 def real(op, name, value, optional=False):
     """A real number (an int or a float, numpy's included) and not a bool, returned as a Python
     float; None passes through when ``optional``."""

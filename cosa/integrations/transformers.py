@@ -176,9 +176,7 @@ def enable(model: torch.nn.Module, *, top_p: float = Tuning.top_p, delta: float 
     one synchronisation per layer); ``block_selector``: replace KAP with another selection (the
     benchmarks feed the peers' masks to OSK this way)."""
     op = "integrations.transformers.enable"
-    min_prefill_tokens = validation.integer(op, "min_prefill_tokens", min_prefill_tokens)
-    if min_prefill_tokens < 1:
-        raise ValueError(f"min_prefill_tokens must be >= 1, got {min_prefill_tokens}")
+    min_prefill_tokens = validation.positive_integer(op, "min_prefill_tokens", min_prefill_tokens)
     # The ops' own domains (Tuning checks them), here rather than at the first long prefill.
     settings = Settings(top_p=top_p, delta=delta, stride=stride, vote=vote, proxy_precision=proxy_precision, op=op,
                         min_prefill_tokens=min_prefill_tokens, collect_stats=collect_stats,

@@ -52,10 +52,8 @@ class Settings(Tuning):
 
     def __post_init__(self, op: str) -> None:
         super().__post_init__(op)
-        object.__setattr__(self, "min_prefill_tokens", validation.integer(op, "min_prefill_tokens",
-                                                                          self.min_prefill_tokens))
-        if self.min_prefill_tokens < 1:
-            raise ValueError(f"cosa.{op}: min_prefill_tokens must be >= 1, got {self.min_prefill_tokens}")
+        object.__setattr__(self, "min_prefill_tokens", validation.positive_integer(op, "min_prefill_tokens",
+                                                                                   self.min_prefill_tokens))
 
     @classmethod
     def from_additional_config(cls, additional_config) -> "Settings":
