@@ -25,6 +25,19 @@ freed. Then, per layer:
   osk-noskip      OSK alone on kap's lists with the skip off (delta 0)
   osk-skipnone    the same with the skip on but a threshold so low that nothing is skipped (delta 1e-30)
 
+With ``--serving-page-size P`` and/or ``--serving-chunk C`` the CoSA rows also run the layer as a
+serving engine does (vLLM: page size 16 and chunks of 16384 queries by default), timed in the same
+rounds as ``cosa``, so that each one's paired ratio to it says what that shape costs:
+
+  cosa-page{P}          one call over a cache of P-token pages (the timed rows' pages are 128 tokens)
+  cosa-chunk{C}         the prompt as successive calls of C queries each, each over every key before
+                        its last query (the chunked prefill of a serving engine), on 128-token pages
+  cosa-page{P}-chunk{C} both
+
+A chunked row's time is the sum of its calls, its budgets the causal-block-weighted mean of theirs;
+their outputs, laid end to end, are checked as the one call's are. ``serving_x_cosa`` on those rows is
+the median over the rounds of the row's time over ``cosa``'s.
+
 The ``kap`` and ``kap-fp8`` rows carry ``stages_ms``, each stage's kernel time per call under
 torch.profiler (input checks, index, key range, quantisation, scoring, select, other; the kernels of
 the chain overlap, so the stages sum to more than the row's time). The CoSA rows of a layer are
@@ -66,7 +79,7 @@ rope scaling, factor 4 unless ``--yarn-factor`` says otherwise, as Qwen2.5 docum
 ``bench/vllm_e2e.py --long-lengths`` runs vLLM; ``config.yarn_factor`` records it, ``config.n`` the length.
 
     python bench/layers.py --model DIR|FILE.gguf --haystack DIR [--n 32768] [--layers 2,8,14,20,27]
-                           [--yarn-factor F] [--lists-only] [--device auto|cuda|cpu] [--seed 0] [--plot] [--out bench/results]
+                           [--yarn-factor F] [--serving-page-size 16] [--serving-chunk 16384] [--lists-only] [--device auto|cuda|cpu] [--seed 0] [--plot] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -88,7 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (REPO_ROOT, argument_parser, finish_report, format_table, interleaved_ms, paired_ratio,  # noqa: E402
                     progress, record_kap_stages, relative_error, require_cuda, save_figure, start_run, time_ms,
                     write_json)
-from kernel import (BLOCK, NO_SKIP_DELTA, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense,  # noqa: E402
+from kernel import (BLOCK, CONFIG, NO_SKIP_DELTA, InputSet, attach_paged, causal_blocks, causal_lists, fa4_dense,  # noqa: E402
                     guarded, load_fa4, one_line, reference_rows, rows_of, sdpa)
 import proxies  # noqa: E402
 from cosa.layout import kap_layout_args, paged_from_contiguous  # noqa: E402
@@ -103,10 +116,10 @@ DEFAULT_YARN_FACTOR = 4.0  # Qwen2.5's documented factor for prompts past its 32
 SKIPPED_BLOCK_FLOOR = 0.4
 TABLE_COLUMNS = ("layer", "n", "impl", "ms", "x_cudnn", "x_fa4", "stage1_budget", "realised_budget", "rel_err",
                  "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_gain", "skip_tax", "skip_cost",
-                 "kap_share", "ideal_ms", "x_ideal", "of_ideal")
+                 "kap_share", "ideal_ms", "x_ideal", "of_ideal", "serving_x_cosa")
 SUMMARY_COLUMNS = ("impl", "layers", "ms", "x_cudnn", "x_fa4", "x_fa4_tw", "stage1_budget", "realised_budget",
                    "rel_err", "max_row_err", "iou_vs_native", "mass_native", "mass_fp8", "skip_gain", "skip_tax",
-                   "skip_cost", "kap_share", "ideal_ms", "x_ideal", "of_ideal")
+                   "skip_cost", "kap_share", "ideal_ms", "x_ideal", "of_ideal", "serving_x_cosa")
 LISTS_COLUMNS = ("layer", "n", "impl", "stage1_budget", "iou_vs_native", "mass_native", "mass_fp8")
 PRECISION_IMPLS = {"native": "kap", "fp8": "kap-fp8"}
 OSK_IMPLS = {"native": "osk", "fp8": "osk-fp8"}
@@ -270,10 +283,11 @@ class LayerRun:
     """Times every implementation on one captured layer after another; a failing row is reported
     and the run goes on."""
 
-    def __init__(self, cosa_mod, fa4, seed: int):
+    def __init__(self, cosa_mod, fa4, seed: int, serving: dict[str, tuple[int, int | None]] | None = None):
         self.cosa = cosa_mod
         self.fa4 = fa4
         self.seed = seed
+        self.serving = serving or {}
         self.rows: list[dict] = []
         self.failures: list[str] = []
         self.peers_left_out: dict[str, str] = {}
@@ -357,10 +371,45 @@ class LayerRun:
             def first_call(impl=impl, run=run):
                 runs[impl] = (run, run(return_stats=True))
             self.guarded(f"layer {layer} {impl}", first_call)
+        for impl, (page_size, chunk) in self.serving.items():
+            def serving_first_call(impl=impl, page_size=page_size, chunk=chunk):
+                run = self.serving_run(s, n, page_size, chunk, scale)
+                runs[impl] = (run, run(return_stats=True))
+            self.guarded(f"layer {layer} {impl}", serving_first_call)
         rows = self.add_interleaved(layer, runs, check,
                                     lambda impl, output: (output[1]["stage1_budget"], output[1]["realised_budget"]))
         if "cosa" in rows and "cosa-noskip" in rows:
             rows["cosa"]["skip_gain"] = skip_gain(rows["cosa"], rows["cosa-noskip"])
+        if "cosa" in rows:
+            for impl in self.serving:
+                if impl in rows:
+                    rows[impl]["serving_x_cosa"] = paired_ratio(rows[impl]["rounds_ms"], rows["cosa"]["rounds_ms"])
+
+    def serving_run(self, s: InputSet, n: int, page_size: int, chunk: int | None, scale: float | None):
+        """cosa.prefill over the layer as a serving engine runs it: on a cache of ``page_size``-token
+        pages, as successive calls of ``chunk`` queries (None: one call), each over every key up to its
+        last query. Returns ``run(return_stats=False)``: the outputs end to end, with the budgets
+        weighted by each call's causal blocks when asked."""
+        if page_size == CONFIG["page_size"]:
+            k_cache, v_cache, page_table = s.k_cache, s.v_cache, s.page_table
+        else:
+            k_cache, v_cache, page_table = self.cosa.testing.paged_kv(
+                s.k, s.v, [n], page_size, shuffle=True, generator=torch.Generator().manual_seed(self.seed))
+        spans = chunk_spans(n, chunk)
+        lengths = lambda *values: torch.tensor(values, dtype=torch.int32, device=s.q.device)  # noqa: E731
+        calls = [(s.q[start:end], lengths(0, end - start), lengths(end), end - start, end) for start, end in spans]
+        weights = [causal_block_count(start, end) for start, end in spans]
+
+        def run(return_stats=False):
+            results = [self.cosa.prefill(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, lq, lk,
+                                         softmax_scale=scale, return_stats=return_stats)
+                       for q, cu_seqlens_q, seqused_k, lq, lk in calls]
+            if not return_stats:
+                return torch.cat(results)
+            stats = {key: sum(w * stats[key] for w, (_, stats) in zip(weights, results)) / sum(weights)
+                     for key in ("stage1_budget", "realised_budget")}
+            return torch.cat([out for out, _ in results]), stats
+        return run
 
     def kap_rows(self, layer, s: InputSet, check: Check, scale):
         """KAP alone at each proxy precision (rows ``kap``, ``kap-fp8``), the fp8 row with how its lists
@@ -401,6 +450,31 @@ class LayerRun:
 # ---------------------------------------------------------------------------------------------
 # Results
 # ---------------------------------------------------------------------------------------------
+
+
+def serving_variants(page_size: int | None, chunk: int | None) -> dict[str, tuple[int, int | None]]:
+    """The serving-shaped CoSA rows (module docstring) for ``--serving-page-size`` and
+    ``--serving-chunk``: row name -> (page size, queries per call or None for one call)."""
+    variants = {}
+    if page_size is not None:
+        variants[f"cosa-page{page_size}"] = (page_size, None)
+    if chunk is not None:
+        variants[f"cosa-chunk{chunk}"] = (CONFIG["page_size"], chunk)
+    if page_size is not None and chunk is not None:
+        variants[f"cosa-page{page_size}-chunk{chunk}"] = (page_size, chunk)
+    return variants
+
+
+def chunk_spans(n: int, chunk: int | None) -> list[tuple[int, int]]:
+    """``[(start, end), ...]``: the queries of each call when ``n`` queries go ``chunk`` at a time."""
+    step = chunk or n
+    return [(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def causal_block_count(start: int, end: int) -> int:
+    """The causal 128 x 128 blocks of queries ``[start, end)`` of one sequence whose keys end at
+    ``end``: query block ``i`` (counted from the sequence's start) sees ``i + 1`` key blocks."""
+    return sum(i + 1 for i in range(start // BLOCK, -(-end // BLOCK)))
 
 
 def skip_gain(skip_on: dict, skip_off: dict) -> float:
@@ -581,9 +655,18 @@ def parse_args(argv=None):
                         "cpu only with --lists-only, where the ops run as the PyTorch reference")
     p.add_argument("--save-ab-inputs", metavar="FILE",
                    help="with --lists-only: also write each layer's Q/K/V and KAP's lists for dev/kernel_ab.py --inputs")
+    p.add_argument("--serving-page-size", type=int, default=None, choices=(16, 32, 64, 256),
+                   help="also time the CoSA rows on a cache of this page size (vLLM's default: 16)")
+    p.add_argument("--serving-chunk", type=int, default=None,
+                   help="also time the CoSA rows as calls of this many queries, a multiple of 128 (vLLM's "
+                        "default chunk: 16384)")
     p.add_argument("--plot", action="store_true", help="also save a PNG next to the JSON")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"), help="folder for the results")
     args = p.parse_args(argv)
+    if args.serving_chunk is not None and (args.serving_chunk <= 0 or args.serving_chunk % BLOCK):
+        p.error(f"--serving-chunk must be a positive multiple of 128, got {args.serving_chunk}")
+    if args.lists_only and (args.serving_page_size or args.serving_chunk):
+        p.error("--serving-page-size and --serving-chunk time CoSA rows, which --lists-only leaves out")
     if args.n <= 0 or args.n % BLOCK:
         p.error("--n must be a positive multiple of 128")
     if args.yarn_factor is not None and args.yarn_factor != 0 and not args.yarn_factor > 1:
@@ -674,8 +757,9 @@ def main(argv=None) -> int:
     gc.collect()
     torch.cuda.empty_cache()
     config = {**facts, "n": args.n, "dtype": "bfloat16", "haystack": Path(args.haystack).name, "seed": args.seed,
-              "cosa_defaults": prefill_defaults(cosa), "checked_blocks": CHECKED_BLOCKS}
-    run = LayerRun(cosa, fa4, args.seed)
+              "cosa_defaults": prefill_defaults(cosa), "checked_blocks": CHECKED_BLOCKS,
+              "serving_page_size": args.serving_page_size, "serving_chunk": args.serving_chunk}
+    run = LayerRun(cosa, fa4, args.seed, serving_variants(args.serving_page_size, args.serving_chunk))
     if why is not None:
         run.peers_left_out["fa4"] = why
     default_kap = PRECISION_IMPLS[cosa.reference.resolved_proxy_precision(config["cosa_defaults"]["proxy_precision"],

@@ -68,3 +68,45 @@ def test_why_the_kernels_cannot_run_names_the_cause(monkeypatch):
     monkeypatch.setattr(layers.torch.cuda, "get_device_name", lambda i: "NVIDIA A100-SXM4-80GB")
     message = layers.why_no_kernels(built)
     assert "Hopper" in message and "A100" in message
+
+
+def test_serving_variants_and_chunk_arithmetic(tmp_path):
+    assert layers.serving_variants(None, None) == {}
+    assert layers.serving_variants(16, 16384) == {"cosa-page16": (16, None), "cosa-chunk16384": (128, 16384),
+                                                  "cosa-page16-chunk16384": (16, 16384)}
+    assert layers.chunk_spans(640, 256) == [(0, 256), (256, 512), (512, 640)]
+    assert layers.chunk_spans(640, None) == [(0, 640)]
+    # blocks 2, 3 of a sequence see 3 and 4 key blocks; the whole prompt of 5 blocks sees 1 + ... + 5
+    assert layers.causal_block_count(256, 512) == 7 and layers.causal_block_count(0, 640) == 15
+    assert sum(layers.causal_block_count(a, b) for a, b in layers.chunk_spans(640, 256)) == 15
+    base = ["--model", str(tmp_path), "--haystack", str(tmp_path)]
+    (tmp_path / "essay.txt").write_text("text")
+    for bad in (["--serving-chunk", "100"], ["--serving-chunk", "0"], ["--serving-page-size", "128"],
+                ["--serving-page-size", "16", "--lists-only"]):
+        with pytest.raises(SystemExit):
+            layers.parse_args(base + bad)
+    args = layers.parse_args(base + ["--serving-page-size", "16", "--serving-chunk", "256"])
+    assert (args.serving_page_size, args.serving_chunk) == (16, 256)
+
+
+def test_serving_run_matches_one_call_on_the_reference():
+    """A chunked call on small pages gives the one call's output and budgets (the ops' CPU path, the
+    reference, which computes each query block from its own queries and every key before them)."""
+    import torch
+    import cosa
+    from kernel import InputSet, attach_paged
+
+    n, hq, hkv, d = 640, 4, 2, 64
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    s = InputSet(q=q, k=k, v=v, k_rep=k.repeat_interleave(2, dim=1), v_rep=v.repeat_interleave(2, dim=1))
+    attach_paged(s, n, 0, cosa)
+    run = layers.LayerRun(cosa, None, 0)
+    whole, whole_stats = run.serving_run(s, n, 128, None, None)(return_stats=True)
+    chunked, chunked_stats = run.serving_run(s, n, 16, 256, None)(return_stats=True)
+    assert chunked.shape == whole.shape == q.shape
+    assert torch.isfinite(chunked.float()).all()
+    assert torch.allclose(chunked.float(), whole.float(), atol=1e-2, rtol=1e-2)
+    for key in ("stage1_budget", "realised_budget"):
+        assert chunked_stats[key] == pytest.approx(whole_stats[key])
+    assert torch.equal(run.serving_run(s, n, 16, 256, None)(), chunked)
