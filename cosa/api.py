@@ -174,11 +174,10 @@ def sparse_attention(q, k, v, *, stride=Tuning.stride, top_p=Tuning.top_p, softm
     output back. A tensor in SDPA's layout with as many query as KV heads is not refused (its shape is
     valid) and gives attention over the wrong axis.
 
-    ``Sk >= Sq`` and ``Sk - Sq`` a multiple of 128 (the queries are the last ``Sq`` positions); ``Hq``
-    a multiple of ``Hkv``. A thin wrapper that views the inputs as one page per 128 tokens and calls
-    :func:`prefill` with the device checks off for this call (the index tensors it builds are right by
-    construction; the one layout condition left to the caller, the prefix, is checked here on the
-    host). Returns ``[B, Sq, Hq, d]``, or ``(out, stats)`` with ``return_stats=True``."""
+    ``Sk >= Sq`` (the queries are the last ``Sq`` positions, after a prefix of ``Sk - Sq`` keys of any
+    length); ``Hq`` a multiple of ``Hkv``. A thin wrapper that views the inputs as one page per 128
+    tokens and calls :func:`prefill` with the device checks off for this call (the index tensors it
+    builds are right by construction from the shapes checked here). Returns ``[B, Sq, Hq, d]``, or ``(out, stats)`` with ``return_stats=True``."""
     op = "sparse_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         validation.tensor(op, name, t)
@@ -199,9 +198,6 @@ def sparse_attention(q, k, v, *, stride=Tuning.stride, top_p=Tuning.top_p, softm
     if heads_kv < 1 or heads_q % heads_kv:
         raise ValueError(f"cosa.sparse_attention: the query heads Hq={heads_q} (q.shape[2]) must be a multiple of "
                          f"the KV heads Hkv={heads_kv} (k.shape[2]); {_LAYOUT}")
-    if (seqlen_k - seqlen_q) % BLOCK:
-        raise ValueError(f"cosa.sparse_attention: the cached prefix Sk - Sq = {seqlen_k - seqlen_q} must be a "
-                         f"multiple of {BLOCK} (Sq={seqlen_q}, Sk={seqlen_k}); {_LAYOUT}")
     pages = cdiv(seqlen_k, BLOCK)
     device = q.device
     page_table = torch.arange(batch * pages, dtype=torch.int32, device=device).reshape(batch, pages)

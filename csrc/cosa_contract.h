@@ -18,6 +18,22 @@ namespace cosa {
 // Logical block size for queries and keys (spec section 1); fixed by the method.
 constexpr int kBlockSize = 128;
 
+// The diagonal blocks of query block i of a sequence with lq queries after a prefix of `prefix`
+// cached keys (spec section 1): the key blocks that hold the positions of its first and of its last
+// query, prefix + 128 i and prefix + min(128 (i + 1), lq) - 1; one block when the prefix is a
+// multiple of 128. For a prefix >= 0 (the length checks refuse others). The binding's list checks
+// and the kernels' query-block locator (common/query_blocks.cuh) take them from here, in int64_t
+// and int respectively.
+template <class Int>
+constexpr Int first_diagonal_block(Int prefix, Int i) {
+  return prefix / kBlockSize + i;
+}
+template <class Int>
+constexpr Int last_diagonal_block(Int prefix, Int lq, Int i) {
+  const Int end = (i + 1) * kBlockSize;  // one past the block's queries, if it is full
+  return (prefix + (end < lq ? end : lq) - 1) / kBlockSize;
+}
+
 // The page sizes the kernels run (their page arithmetic is shifts and masks).
 inline bool valid_page_size(int64_t page_size) {
   return page_size >= 16 && page_size <= 256 && (page_size & (page_size - 1)) == 0;

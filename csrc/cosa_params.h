@@ -38,7 +38,7 @@ struct PagedLayout {
   const int32_t* page_table = nullptr;
   int64_t page_table_stride = 0;
   const int32_t* cu_seqlens_q = nullptr;  // [batch + 1]
-  const int32_t* seqused_k = nullptr;     // [batch], Lk_b >= Lq_b, (Lk_b - Lq_b) % 128 == 0
+  const int32_t* seqused_k = nullptr;     // [batch], Lk_b >= Lq_b (any prefix P_b = Lk_b - Lq_b)
 
   int batch = 0;
   int num_heads_q = 0;
@@ -210,9 +210,9 @@ inline bool valid_osk_params(const OskParams& p) {
 // smallest key of a failing element (UINT64_MAX when none), in the order in which the CPU path
 // (cosa/validation.py) reports failures, so the host reads back kNumInputChecks integers.
 enum InputCheck : int {
-  kCheckLengths = 0,     // key 0: cu_seqlens_q ends; 1 + b: decreasing at b; 1 + B + 5 b + c: condition c of b
+  kCheckLengths = 0,     // key 0: cu_seqlens_q ends; 1 + b: decreasing at b; 1 + B + 4 b + c: condition c of b
   kCheckPages = 1,       // key b * max_pages_per_seq + p: page id outside the cache
-  kCheckCountRange = 2,  // key h * num_q_blocks + g: counts outside [0, diagonal + 1]
+  kCheckCountRange = 2,  // key h * num_q_blocks + g: counts outside [0, last diagonal block + 1]
   kCheckCountRow = 3,    // key h * num_q_blocks + g: counts longer than order's rows
   kCheckOrder = 4,       // key (h * num_q_blocks + g) * order_row_len + k: not a causal candidate
   kNumInputChecks = 5,

@@ -50,6 +50,18 @@ def query_blocks(p):
             g += 1
 
 
+def diagonal_blocks(p):
+    """(g, first, last) for every real query block of the packed numbering: its diagonal blocks
+    (cosa.reference.diagonal_blocks); its causal candidates are blocks 0 .. last."""
+    cu, lk = p["cu_seqlens_q"].tolist(), p["seqused_k"].tolist()
+    g = 0
+    for b in range(len(lk)):
+        lq = cu[b + 1] - cu[b]
+        for first, last in zip(*(t.tolist() for t in R.diagonal_blocks(lk[b] - lq, lq))):
+            yield g, first, last
+            g += 1
+
+
 def permute_lists(order, counts, generator):
     """Randomly permute every list's first counts entries."""
     order = order.clone()

@@ -5,7 +5,7 @@ same blocks, same order, same counts. On random inputs many scores are within fl
 other, so the kernel may break such near-ties differently from the reference: there every list must be
 a valid stage-1 list (spec section 2) under the reference's scores, up to a small relative tolerance.
 Covers strides 4/8/16, lengths that are not multiples of 128 or of the stride, varlen batches,
-prefixes, GQA ratios 1/4/8, page sizes 16..256, head dims 64/128, both dtypes, top_p 1, padding
+prefixes of any length (aligned and not, side by side), GQA ratios 1/4/8, page sizes 16..256, head dims 64/128, both dtypes, top_p 1, padding
 rows, determinism, CUDA-graph capture, and one 32K-key sequence (scoring CTAs that walk several
 column tiles)."""
 
@@ -43,36 +43,31 @@ def kap(ops, p, stride, top_p=defaults.TOP_P, softmax_scale=None, proxy_precisio
     return order, counts
 
 
-def query_blocks(p):
-    """(g, diagonal block) for every real query block of the packed numbering."""
-    for g, prefix, i in helpers.query_blocks(p):
-        yield g, prefix // R.BLOCK + i
-
-
-def valid_list(lst, scores, hrm, diagonal, top_p, tol=TOL):
+def valid_list(lst, scores, hrm, first, last, top_p, tol=TOL):
     """True iff ``lst`` is a stage-1 list of spec section 2 under ``scores``/``hrm`` (candidates
-    0..diagonal), every score comparison allowing a relative slack ``tol``: the HRM blocks first,
-    each group by decreasing score, the shortest prefix reaching top_p * T (every candidate when
-    top_p >= 1), then the forced sink and diagonal blocks if the prefix lacks them."""
+    0..last, diagonal blocks first and last), every score comparison allowing a relative slack
+    ``tol``: the HRM blocks first, each group by decreasing score, the shortest prefix reaching
+    top_p * T (every candidate when top_p >= 1), then the forced sink and diagonal blocks that the
+    prefix lacks, in sort order."""
     lst = [int(x) for x in lst]
-    if len(set(lst)) != len(lst) or any(j < 0 or j > diagonal for j in lst):
+    if len(set(lst)) != len(lst) or any(j < 0 or j > last for j in lst):
         return False
-    s = scores[: diagonal + 1].double().tolist()
-    h = hrm[: diagonal + 1].tolist()
+    s = scores[: last + 1].double().tolist()
+    h = hrm[: last + 1].tolist()
     total = sum(s)
-    hrm_blocks = {j for j in range(diagonal + 1) if h[j]}
+    hrm_blocks = {j for j in range(last + 1) if h[j]}
     n_hrm = len(hrm_blocks)
-    for n_forced in (0, 1, 2):  # how many trailing entries are forced blocks appended past the prefix
+    for n_forced in (0, 1, 2, 3):  # how many trailing entries are forced blocks appended past the prefix
         if n_forced >= len(lst):
             break
         prefix, tail = lst[: len(lst) - n_forced], lst[len(lst) - n_forced:]
-        if any(j not in (0, diagonal) or j in prefix for j in tail):
+        if any(j not in (0, first, last) or j in prefix for j in tail):
             continue
         if len(prefix) < n_hrm or set(prefix[:n_hrm]) != hrm_blocks:
             continue
         ok = all(s[prefix[k + 1]] <= s[prefix[k]] * (1 + tol)
                  for k in range(len(prefix) - 1) if k + 1 != n_hrm)
-        rest = [s[j] for j in range(diagonal + 1) if j not in prefix]
+        rest = [s[j] for j in range(last + 1) if j not in prefix]
         kept = [s[j] for j in prefix[n_hrm:]]
         if rest and kept:
             ok &= max(rest) <= min(kept) * (1 + tol)
@@ -80,19 +75,18 @@ def valid_list(lst, scores, hrm, diagonal, top_p, tol=TOL):
         for j in prefix[:-1]:
             cumulative += s[j]
         if top_p >= 1:
-            ok &= len(prefix) == diagonal + 1  # every candidate, zero scores included
+            ok &= len(prefix) == last + 1  # every candidate, zero scores included
         elif len(prefix) > max(n_hrm, 1):
             ok &= cumulative < top_p * total * (1 + tol)  # no shorter prefix would do
         ok &= cumulative + s[prefix[-1]] >= top_p * total * (1 - tol)
-        if len(tail) == 2:
-            ok &= s[tail[1]] <= s[tail[0]] * (1 + tol)
+        ok &= all(s[b] <= s[a] * (1 + tol) for a, b in zip(tail, tail[1:]))
         if ok:
             return True
     return False
 
 
 def assert_padding(p, order, counts):
-    real = sum(1 for _ in query_blocks(p))
+    real = sum(1 for _ in helpers.diagonal_blocks(p))
     assert (counts[:, real:] == 0).all()
     assert (order[:, real:] == -1).all()
 
@@ -120,12 +114,12 @@ def assert_valid(ops, p, stride, top_p=defaults.TOP_P, max_invalid_fraction=0.0,
     scores, hrm = R.kap_scores(*kap_layout_args(p), stride=stride, proxy_precision=proxy_precision)
     order, counts, scores, hrm = order.cpu(), counts.cpu(), scores.cpu(), hrm.cpu()
     invalid = total = 0
-    for g, diagonal in query_blocks(p):
+    for g, first, last in helpers.diagonal_blocks(p):
         for h in range(order.shape[0]):
             n = int(counts[h, g])
             assert (order[h, g, n:] == -1).all()
             total += 1
-            if not valid_list(order[h, g, :n], scores[h, g], hrm[h, g], diagonal, top_p, tol):
+            if not valid_list(order[h, g, :n], scores[h, g], hrm[h, g], first, last, top_p, tol):
                 invalid += 1
     assert invalid <= max_invalid_fraction * total, f"{invalid} of {total} lists are not valid top-p lists"
 
@@ -155,9 +149,58 @@ def test_structured_head_dims_dtypes(ops, d, dtype):
 def test_structured_top_p_one(ops):
     p = problem([900], [900 + 256], hq=4, hkv=1, structure="needles", seed=3)
     order, counts = kap(ops, p, 8, top_p=1.0)
-    for g, diagonal in query_blocks(p):
-        assert (counts[:, g] == diagonal + 1).all()  # every candidate kept
+    for g, _, last in helpers.diagonal_blocks(p):
+        assert (counts[:, g] == last + 1).all()  # every candidate kept
     assert_identical(ops, p, 8, top_p=1.0)
+
+
+# Any prefix (spec section 1): query blocks start at each sequence's first query, so where the prefix
+# is not a multiple of 128 a query block's queries cross a key block's start. It then has two
+# diagonal blocks, both forced into its list; the last one is a candidate whose first stride rows may
+# see none of its keys (their maxima there are -inf), or that no row sees at all (P = 1 with a full
+# query block: score 0). Prefixes 1, 100, 255 and 129 beside aligned ones in one batch, odd query
+# lengths, prefixes that are not multiples of the stride, and a prefix of many column tiles.
+UNALIGNED = [
+    ([1], [1 + 1]),
+    ([1000], [1000 + 100]),
+    ([128, 333, 129, 200], [128 + 1, 333 + 255, 129 + 129, 200 + 256]),
+    ([77, 641, 1], [77 + 128, 641 + 4001, 1 + 1023]),
+]
+
+
+def assert_lists_hold_both_diagonal_blocks(p, order, counts):
+    order, counts = order.cpu(), counts.cpu()
+    for g, first, last in helpers.diagonal_blocks(p):
+        for h in range(order.shape[0]):
+            listed = order[h, g, : int(counts[h, g])].tolist()
+            assert {0, first, last} <= set(listed) and max(listed) == last, (h, g, first, last, listed)
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("seqlens_q,seqlens_k", UNALIGNED)
+@pytest.mark.parametrize("stride", [4, 8, 16])
+def test_structured_identical_for_any_prefix(ops, stride, seqlens_q, seqlens_k, page_size):
+    p = problem(seqlens_q, seqlens_k, hq=8, hkv=2, page_size=page_size, structure="mixed",
+                seed=stride + page_size + len(seqlens_q))
+    assert_identical(ops, p, stride)
+    assert_lists_hold_both_diagonal_blocks(p, *kap(ops, p, stride))
+
+
+@pytest.mark.parametrize("seqlens_q,seqlens_k", UNALIGNED)
+def test_structured_top_p_one_for_any_prefix(ops, seqlens_q, seqlens_k):
+    p = problem(seqlens_q, seqlens_k, hq=4, hkv=1, page_size=16, structure="needles", seed=len(seqlens_q))
+    order, counts = kap(ops, p, 8, top_p=1.0)
+    for g, _, last in helpers.diagonal_blocks(p):
+        assert (counts[:, g] == last + 1).all()  # every candidate kept, the last diagonal block included
+    assert_identical(ops, p, 8, top_p=1.0)
+
+
+@pytest.mark.parametrize("seqlens_q,seqlens_k", UNALIGNED[1:])
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+def test_fp8_structured_for_any_prefix(ops, d, dtype, seqlens_q, seqlens_k):
+    p = problem(seqlens_q, seqlens_k, hq=8, hkv=2, d=d, dtype=dtype, page_size=16, structure="mixed", seed=d)
+    assert_fp8_agrees(ops, p, 8)
+    assert_lists_hold_both_diagonal_blocks(p, *kap(ops, p, 8, proxy_precision="fp8"))
 
 
 # 300 queries and the most whole key blocks after them that stay below the threshold, then one more.
@@ -197,7 +240,7 @@ def test_structured_long_lists(ops, key_blocks):
     assert int(counts.max()) == key_blocks and torch.equal(counts, ref_counts)
     scores, _ = R.kap_scores(*kap_layout_args(p), stride=8, proxy_precision="native")
     order, ref_order, scores = order.cpu(), ref_order.cpu(), scores.cpu()
-    for g, _ in query_blocks(p):
+    for g, _, _ in helpers.diagonal_blocks(p):
         for h in range(order.shape[0]):
             n = int(counts[h, g])
             got, want = order[h, g, :n].long(), ref_order[h, g, :n].long()
@@ -215,6 +258,7 @@ def test_structured_long_lists(ops, key_blocks):
     ([1000], [1000 + 512]),                      # not a multiple of 128 or of the stride; prefix
     ([300, 1, 129, 777], [300 + 256, 1, 129, 777 + 128]),  # varlen with a 1-token sequence
     ([200], [200 + 4096]),                       # long prefix: several column tiles per row
+    ([1000, 129, 1], [1000 + 100, 129 + 255, 1 + 1]),  # prefixes that are not multiples of 128
 ])
 def test_random_valid(ops, stride, seqlens_q, seqlens_k):
     p = problem(seqlens_q, seqlens_k, hq=8, hkv=2, page_size=16, seed=stride + len(seqlens_q))
@@ -236,9 +280,9 @@ def test_scores_order_consistent(ops):
     order, counts = kap(ops, p, 8, top_p=1.0)
     scores, hrm = R.kap_scores(*kap_layout_args(p), stride=8)
     order, scores, hrm = order.cpu(), scores.cpu(), hrm.cpu()
-    for g, diagonal in query_blocks(p):
+    for g, _, last in helpers.diagonal_blocks(p):
         for h in range(order.shape[0]):
-            lst = order[h, g, : diagonal + 1].long()
+            lst = order[h, g, : last + 1].long()
             s, f = scores[h, g][lst], hrm[h, g][lst]
             same_group = f[1:] == f[:-1]
             assert (s[1:][same_group] <= s[:-1][same_group] * (1 + 1e-3)).all()
@@ -305,7 +349,8 @@ def test_fp8_structured(ops, stride, d, dtype):
     assert_fp8_agrees(ops, p, stride)
 
 
-@pytest.mark.parametrize("seqlens_q,seqlens_k", [([2048], [2048]), ([300, 129, 777], [300 + 256, 129, 777 + 128])])
+@pytest.mark.parametrize("seqlens_q,seqlens_k", [([2048], [2048]), ([300, 129, 777], [300 + 256, 129, 777 + 128]),
+                                               ([300, 129, 777], [300 + 100, 129 + 1, 777 + 129])])
 def test_fp8_random(ops, seqlens_q, seqlens_k):
     p = problem(seqlens_q, seqlens_k, hq=8, hkv=2, page_size=16, seed=len(seqlens_q))
     assert_fp8_agrees(ops, p, 8, min_iou=0.97)
@@ -329,9 +374,10 @@ def test_fp8_long_prefix_many_heads(ops):
 LONG_FP8_TOL = 3e-2
 
 
+@pytest.mark.parametrize("prefix", [0, 1000])
 @pytest.mark.parametrize("proxy_precision", ["native", "fp8"])
-def test_long_sequence_units_of_several_column_tiles(ops, proxy_precision):
-    p = problem([32768 - 37], [32768 - 37], hq=8, hkv=2, page_size=128, structure="mixed", seed=32)
+def test_long_sequence_units_of_several_column_tiles(ops, proxy_precision, prefix):
+    p = problem([32768 - 37 - prefix], [32768 - 37], hq=8, hkv=2, page_size=128, structure="mixed", seed=32)
     if proxy_precision == "fp8":
         assert_fp8_agrees(ops, p, 8, tol=LONG_FP8_TOL, max_invalid_fraction=0.01)
     else:

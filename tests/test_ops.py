@@ -155,7 +155,6 @@ BAD_LAYOUT = [
     ("decreasing_cu_seqlens", _both(_set("cu_seqlens_q", lambda a: _ints([0, 300, 277], a)), _set("max_seqlen_q", 300)),
      ValueError, "non-decreasing"),
     ("kv_shorter_than_q", _set("seqused_k", lambda a: _ints([328, 76], a)), ValueError, "shorter than"),
-    ("prefix_not_multiple", _set("seqused_k", lambda a: _ints([264, 77], a)), ValueError, "multiple of 128"),
     ("kv_over_page_table", _both(_set("seqused_k", lambda a: _ints([328, 77 + 256 * 16], a)), _set("max_seqlen_k", 5000)),
      ValueError, "capacity"),
     ("page_id_out_of_range", _set("page_table", lambda a: a["page_table"].masked_fill(
@@ -319,14 +318,45 @@ def test_device_checks_can_be_turned_off(ops):
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_sparse_attention_checks_the_prefix_on_the_host(ops, device):
-    """The one layout condition a sparse_attention caller controls, the prefix, fails in the
-    wrapper's own words (before any index tensor is built)."""
+def test_sparse_attention_takes_any_prefix(ops, device):
+    """A prefix that is not a multiple of 128 runs (at top_p 1 without the skip: dense attention);
+    fewer keys than queries stays an error naming both shapes."""
     q = torch.randn(1, 130, 4, 64, device=device).bfloat16()
     k = torch.randn(1, 130 + 100, 2, 64, device=device).bfloat16()
-    with pytest.raises(ValueError, match="cosa.sparse_attention: the cached prefix Sk - Sq = 100 must be a multiple of 128"):
-        cosa.sparse_attention(q, k, k)
-    assert cosa.sparse_attention(q, k[:, :130], k[:, :130]).shape == q.shape
+    v = torch.randn(1, 130 + 100, 2, 64, device=device).bfloat16()
+    out = cosa.sparse_attention(q, k, v, top_p=1.0, delta=0.0)
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+        attn_mask=torch.ones(130, 230, dtype=torch.bool, device=device).tril(100), enable_gqa=True).transpose(1, 2)
+    assert_rows_close(out.float(), expect, atol=2e-2)
+    with pytest.raises(ValueError, match=r"cosa.sparse_attention: need 1 <= Sq <= Sk, got Sq=130 \(q.shape\[1\]\), "
+                                         r"Sk=129 \(k.shape\[1\]\)"):
+        cosa.sparse_attention(q, k[:, :129], v[:, :129])
+
+
+# Any prefix (spec section 1): the lists given to OSK may hold the blocks up to each query block's
+# last diagonal block, and no further. Sequence 0 (200 queries after 100 keys) has query blocks at
+# positions 100-227 and 228-299: diagonal blocks 0 and 1, then 1 and 2; sequence 1 (77 queries after
+# 1 key) one block, diagonal block 0.
+@pytest.mark.parametrize("device", _devices())
+def test_lists_reach_the_last_diagonal_block_for_any_prefix(ops, device):
+    p = small_problem(device=device, seqlens_k=[200 + 100, 77 + 1])
+    order, counts = dense_order(p)
+    assert counts[0, :3].tolist() == [2, 3, 1]  # then a padding row
+    base = (p["q"], p["k_cache"], p["v_cache"], p["page_table"], p["cu_seqlens_q"], p["seqused_k"])
+    out, lse, _ = ops.osk(*base, order, counts, p["max_seqlen_q"], None, 0.0)
+    ref_out, ref_lse = run_dense(p)
+    assert_rows_close(out.float().cpu(), ref_out.float().cpu(), atol=2e-2)
+    assert_rows_close(lse.cpu()[..., None], ref_lse.cpu()[..., None], atol=1e-3, what="lse")
+    past = order.clone()
+    past[0, 0, 1] = 2  # query block 0's last diagonal block is 1
+    with pytest.raises(ValueError, match=r"cosa.osk: order\[0, 0, 1\] = 2 is not a causal block of its query "
+                                         r"block \(0..1\)"):
+        ops.osk(*base, past, counts, p["max_seqlen_q"])
+    too_many = counts.clone()
+    too_many[0, 1] = 4
+    with pytest.raises(ValueError, match=r"cosa.osk: counts\[0, 1\] = 4 is outside \[0, 3\]"):
+        ops.osk(*base, order, too_many, p["max_seqlen_q"])
 
 
 def test_sparse_attention_names_the_layout_when_given_sdpa_layout(ops):

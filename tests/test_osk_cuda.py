@@ -3,7 +3,7 @@
 Covers dense (every causal block) and KAP lists, random and structured inputs, the skip counts on
 inputs with clear margins from the threshold, order invariance with the skip off, determinism,
 padding rows and empty lists, over head dims, dtypes, page sizes, GQA ratios, varlen batches and
-prefixes (spec sections 1 and 3)."""
+prefixes of any length (spec sections 1 and 3)."""
 
 import math
 
@@ -13,7 +13,7 @@ import torch
 from cosa import reference as R
 from cosa.testing import random_problem
 
-from helpers import dense_order, permute_lists, rel_err, run_kap, run_osk
+from helpers import assert_rows_close, dense_order, diagonal_blocks, permute_lists, rel_err, run_kap, run_osk
 
 pytestmark = pytest.mark.gpu
 
@@ -102,6 +102,86 @@ SHAPES = [
 def shape_id(shape):
     lq, lk, hq, hkv, d, ps, dt = shape
     return f"q{lq}-k{lk}-h{hq}/{hkv}-d{d}-p{ps}-{str(dt)[6:]}"
+
+
+# Any prefix (spec section 1): query blocks start at each sequence's first query, so where the prefix
+# is not a multiple of 128 a tile's rows cross a key block's start and the causal mask cuts into both
+# of its diagonal blocks (the first rows of a tile may see no key of the last one). Prefixes 1, 100,
+# 255, 129, 127 and 1000 beside aligned ones, odd query lengths, page sizes 16 and 128, both head dims
+# and dtypes.
+UNALIGNED_SHAPES = [
+    ([1], [1 + 1], 8, 2, 128, 16, torch.bfloat16),
+    ([1001], [1001 + 100], 8, 2, 128, 16, torch.bfloat16),
+    ([333, 128, 77], [333 + 255, 128 + 256, 77 + 1], 4, 1, 64, 128, torch.float16),
+    ([129, 700, 1], [129 + 129, 700 + 1000, 1 + 127], 8, 8, 128, 128, torch.float16),
+    ([255, 64], [255 + 1, 64 + 100], 8, 2, 64, 16, torch.bfloat16),
+]
+
+
+def assert_rows_match_reference(p, got, order, counts, delta, vote="warpgroup"):
+    """Row by row: every (token, head) row of out and every lse within tolerance of the reference
+    (-inf lse, and out 0, on rows that the lists give no key)."""
+    out, lse, skipped = got
+    ref_out, ref_lse, ref_skipped = run_osk(p, order, counts, delta=delta, vote=vote)
+    assert out.shape == p["q"].shape and out.dtype == p["q"].dtype
+    assert_rows_close(out, ref_out, atol=2e-2)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), "lse is finite on different rows"
+    assert not lse.isnan().any()
+    finite = torch.isfinite(ref_lse)
+    assert_rows_close(lse[finite][:, None], ref_lse[finite][:, None], atol=1e-3, what="lse")
+    return ref_skipped
+
+
+@pytest.mark.parametrize("shape", UNALIGNED_SHAPES, ids=shape_id)
+def test_dense_lists_match_reference_for_any_prefix(ops, shape):
+    lq, lk, hq, hkv, d, ps, dt = shape
+    p = problem(lq, lk, hq, hkv, d, ps, dt, seed=11)
+    order, counts = dense_order(p)
+    for g, _, last in diagonal_blocks(p):
+        assert (counts[:, g] == last + 1).all()  # every causal block, the last diagonal block included
+    got = osk(ops, p, order, counts, delta=0.0)
+    assert_rows_match_reference(p, got, order, counts, 0.0)
+    assert int(got[2].sum()) == 0
+    # With the skip on (random inputs may put a block at the threshold: skip counts not compared).
+    assert_rows_match_reference(p, osk(ops, p, order, counts, delta=100.0), order, counts, 100.0)
+
+
+@pytest.mark.parametrize("structure", [None, "mixed"])
+@pytest.mark.parametrize("shape", UNALIGNED_SHAPES, ids=shape_id)
+def test_kap_lists_match_reference_for_any_prefix(ops, shape, structure):
+    lq, lk, hq, hkv, d, ps, dt = shape
+    p = problem(lq, lk, hq, hkv, d, ps, dt, structure=structure, seed=12)
+    order, counts = run_kap(p)
+    for delta, vote in ((0.0, "warpgroup"), (100.0, "warpgroup"), (100.0, "tile")):
+        got = osk(ops, p, order, counts, delta, vote)
+        ref_skipped = assert_rows_match_reference(p, got, order, counts, delta, vote)
+        if structure is not None or delta == 0:
+            assert torch.equal(got[2], ref_skipped), "skip counts differ"
+
+
+def lists_of_last_diagonal_block_first(p, order, counts, only=False):
+    """Each list with its query block's last diagonal block moved to the front (alone with
+    only=True): a tile's first rows then meet a first block that holds none of their keys."""
+    order, counts = order.clone().cpu(), counts.clone().cpu()
+    for g, _, last in diagonal_blocks(p):
+        for h in range(order.shape[0]):
+            listed = [j for j in order[h, g, : int(counts[h, g])].tolist() if j != last]
+            listed = [last] if only else [last] + listed
+            order[h, g, : len(listed)] = torch.tensor(listed)
+            order[h, g, len(listed):] = -1
+            counts[h, g] = len(listed)
+    return order.to(p["q"].device), counts.to(p["q"].device)
+
+
+@pytest.mark.parametrize("only", [False, True])
+@pytest.mark.parametrize("shape", UNALIGNED_SHAPES[1:], ids=shape_id)
+def test_lists_that_start_on_the_last_diagonal_block(ops, shape, only):
+    lq, lk, hq, hkv, d, ps, dt = shape
+    p = problem(lq, lk, hq, hkv, d, ps, dt, structure="mixed", seed=13)
+    order, counts = lists_of_last_diagonal_block_first(p, *run_kap(p), only=only)
+    for delta in (0.0, 100.0):
+        for vote in VOTES:
+            assert_rows_match_reference(p, osk(ops, p, order, counts, delta, vote), order, counts, delta, vote)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)

@@ -381,7 +381,7 @@ def test_the_row_check_catches_one_wrong_row():
 
 
 # Any prefix (spec section 1): the reference places query blocks at each sequence's first query
-# whatever the prefix; the ops still require a multiple of 128 (tests/test_ops.py).
+# whatever the prefix (the CUDA kernels against it: tests/test_kap_cuda.py, test_osk_cuda.py).
 UNALIGNED = dict(seqlens_q=(300, 77, 129, 20), seqlens_k=(300 + 100, 77 + 1, 129 + 255, 20 + 100))
 UNALIGNED_LQ = [lq for lq in UNALIGNED["seqlens_q"] for _ in range(R.cdiv(lq, R.BLOCK))]  # Lq of each query block
 

@@ -165,10 +165,6 @@ void check_lengths_data(const OpArgs& a, const Sizes& s, const IndexData& d) {
     if (a.max_seqlen_k && lk[b] > *a.max_seqlen_k) {
       fail_value(op, message("seqused_k[", b, "] = ", lk[b], " exceeds max_seqlen_k = ", *a.max_seqlen_k));
     }
-    if ((lk[b] - lq) % kBlock) {
-      fail_value(op, message("the cached prefix of sequence ", b, " (seqused_k - query length = ", lk[b] - lq,
-                             ") must be a multiple of ", kBlock));
-    }
     if (lk[b] > capacity) {
       fail_value(op, message("seqused_k[", b, "] = ", lk[b], " exceeds page_table's capacity of ", capacity, " tokens"));
     }
@@ -188,16 +184,20 @@ void check_lists_data(const OpArgs& a, const Sizes& s, const IndexData& d, int64
   if (!a.order) return;
   const char* op = a.op;
   const int64_t rows = num_q_blocks_bound(s.total_q, s.batch, max_seqlen_q), row_len = a.order->size(2);
-  std::vector<int64_t> diagonal(rows, -1);  // the diagonal key block of each query block; -1: padding
+  // The last causal candidate of each query block, its last diagonal block; -1: padding.
+  std::vector<int64_t> last_candidate(rows, -1);
   for (int64_t b = 0, g = 0; b < s.batch; ++b) {
     const int64_t lq = d.cu[b + 1] - d.cu[b];
-    for (int64_t i = 0; i < ceil_div(lq, kBlock); ++i, ++g) diagonal[g] = (d.lk[b] - lq) / kBlock + i;
+    for (int64_t i = 0; i < ceil_div(lq, kBlock); ++i, ++g) {
+      last_candidate[g] = last_diagonal_block(d.lk[b] - lq, lq, i);
+    }
   }
   const int64_t lists = s.num_heads_q * rows;
   for (int64_t row = 0; row < lists; ++row) {
     const int64_t count = d.counts[row], g = row % rows;
-    if (count < 0 || count > diagonal[g] + 1) {
-      fail_value(op, message("counts[", row / rows, ", ", g, "] = ", count, " is outside [0, ", diagonal[g] + 1, "]"));
+    if (count < 0 || count > last_candidate[g] + 1) {
+      fail_value(op, message("counts[", row / rows, ", ", g, "] = ", count, " is outside [0, ", last_candidate[g] + 1,
+                             "]"));
     }
   }
   for (int64_t row = 0; row < lists; ++row) {
@@ -210,9 +210,9 @@ void check_lists_data(const OpArgs& a, const Sizes& s, const IndexData& d, int64
     const int64_t g = row % rows;
     for (int64_t k = 0; k < d.counts[row]; ++k) {
       const int64_t j = d.order[row * row_len + k];
-      if (j < 0 || j > diagonal[g]) {
+      if (j < 0 || j > last_candidate[g]) {
         fail_value(op, message("order[", row / rows, ", ", g, ", ", k, "] = ", j,
-                               " is not a causal block of its query block (0..", diagonal[g], ")"));
+                               " is not a causal block of its query block (0..", last_candidate[g], ")"));
       }
     }
   }

@@ -74,7 +74,7 @@ IndexData read_index_data(const OpArgs& a);
 // (csrc/checks/) ranks its findings: the first broken condition is the one reported. A bound
 // that is absent (a max length still to be derived, or OSK's max_seqlen_k) is not checked.
 void check_lengths_data(const OpArgs& a, const Sizes& s, const IndexData& d);
-// The block lists given to OSK: every count in [0, diagonal + 1] and within order's rows, every
+// The block lists given to OSK: every count in [0, last diagonal block + 1] and within order's rows, every
 // listed block a causal candidate of its query block, so that OSK never reads outside a
 // sequence's pages. Needs the lengths checked first.
 void check_lists_data(const OpArgs& a, const Sizes& s, const IndexData& d, int64_t max_seqlen_q);

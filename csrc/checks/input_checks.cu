@@ -23,12 +23,12 @@ __device__ void check_lengths(const InputCheckParams& p, int b, unsigned long lo
     return;
   }
   // The CPU path's order of conditions for one sequence.
-  const bool broken[5] = {lq > l.max_seqlen_q, lk < lq, p.check_max_seqlen_k && lk > l.max_seqlen_k,
-                          (lk - lq) % kBlockSize != 0,
-                          lk > static_cast<int64_t>(l.max_pages_per_seq) * l.page_size};
-  for (int c = 0; c < 5; ++c) {
+  constexpr int kConditions = 4;
+  const bool broken[kConditions] = {lq > l.max_seqlen_q, lk < lq, p.check_max_seqlen_k && lk > l.max_seqlen_k,
+                                    lk > static_cast<int64_t>(l.max_pages_per_seq) * l.page_size};
+  for (int c = 0; c < kConditions; ++c) {
     if (broken[c]) {
-      record(slot, 1ull + l.batch + 5ull * b + c);
+      record(slot, 1ull + l.batch + static_cast<unsigned long long>(kConditions) * b + c);
       return;
     }
   }
@@ -98,16 +98,16 @@ __global__ void check_lists(InputCheckParams p) {
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (row >= static_cast<int64_t>(l.num_heads_q) * l.num_q_blocks) return;
   const QueryBlock block = locate_query_block(l, static_cast<int>(row % l.num_q_blocks));
-  const int64_t diagonal = block.valid ? block.diagonal : -1;  // a padding row lists nothing
+  const int64_t last_candidate = block.valid ? block.last_diagonal : -1;  // a padding row lists nothing
   const int64_t count = p.counts[row];
   if (lane == 0) {
-    if (count < 0 || count > diagonal + 1) record(p.report + kCheckCountRange, row);
+    if (count < 0 || count > last_candidate + 1) record(p.report + kCheckCountRange, row);
     if (count > p.order_row_len) record(p.report + kCheckCountRow, row);
   }
   const int64_t listed = count < p.order_row_len ? count : p.order_row_len;
   for (int64_t k = lane; k < listed; k += 32) {
     const int32_t j = p.order[row * p.order_row_len + k];
-    if (j < 0 || j > diagonal) {
+    if (j < 0 || j > last_candidate) {
       record(p.report + kCheckOrder, static_cast<unsigned long long>(row) * p.order_row_len + k);
       break;
     }

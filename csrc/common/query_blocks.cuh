@@ -22,7 +22,11 @@ struct QueryBlock {
   int q_start = 0;        // first token of sequence b in q / out: cu_seqlens_q[b]
   int seqlen_q = 0;       // Lq_b
   int seqlen_k = 0;       // Lk_b
-  int diagonal = 0;       // key block aligned with query block i: P_b / 128 + i
+  // The diagonal blocks (first_diagonal_block and last_diagonal_block, cosa_contract.h): keys in
+  // blocks before first_diagonal are visible to every query of the block, keys past last_diagonal
+  // to none.
+  int first_diagonal = 0;
+  int last_diagonal = 0;
   bool valid = false;     // false for padding rows past the batch's real number of query blocks
 };
 
@@ -62,7 +66,9 @@ __device__ __forceinline__ QueryBlock locate_query_block(const PagedLayout& layo
       block.q_start = __shfl_sync(kFullWarp, q_start, owner);
       block.seqlen_q = __shfl_sync(kFullWarp, seqlen_q, owner);
       block.seqlen_k = __shfl_sync(kFullWarp, seqlen_k, owner);
-      block.diagonal = (block.seqlen_k - block.seqlen_q) / kBlockSize + block.block_in_seq;
+      const int prefix = block.seqlen_k - block.seqlen_q;
+      block.first_diagonal = first_diagonal_block(prefix, block.block_in_seq);
+      block.last_diagonal = last_diagonal_block(prefix, block.seqlen_q, block.block_in_seq);
       block.valid = true;
       return block;
     }

@@ -1,10 +1,10 @@
 // KAP selection pass (spec section 2, steps 3-6) per (query head, packed query block): from the
 // block maxima bm[r, j] and row maxima rm[r] of the block's stride rows (written by
 // the scoring kernel) it forms the scores S[j] = sum_r exp(bm[r, j] - rm[r]) and the HRM flags
-// H[j] = any_r bm[r, j] == rm[r]; sorts the candidates j = 0 .. P/128 + i by one packed 64-bit
-// key (H, S bits, inverted j); keeps the shortest prefix whose cumulative S reaches top_p * T
-// (every candidate when top_p >= 1) plus every HRM block, block 0 and the diagonal block; writes
-// them in sort order followed by -1 padding.
+// H[j] = any_r bm[r, j] == rm[r]; sorts the candidates j = 0 .. last_i (the block's last diagonal
+// block, QueryBlock::last_diagonal) by one packed 64-bit key (H, S bits, inverted j); keeps the
+// shortest prefix whose cumulative S reaches top_p * T (every candidate when top_p >= 1) plus every
+// HRM block, block 0 and both diagonal blocks; writes them in sort order followed by -1 padding.
 //
 // Two kernels: kap_select_warp_kernel gives each list one warp and sorts up to kWarpSortMax keys
 // in registers (bitonic network: in-thread steps and shuffles, no shared-memory traffic), which
@@ -56,7 +56,13 @@ struct SelectList {
   int32_t* count_out = nullptr;
   const float* block_max = nullptr;   // bm[r, j] at block_max[r * max_k_blocks + j]
   uint32_t* row_max = nullptr;        // ordered_bits(rm[r]) at row_max[r]
-  int diagonal = 0;                   // P_b / 128 + i: the candidates are blocks 0 .. diagonal
+  int first_diagonal = 0;             // the diagonal blocks (QueryBlock), forced into the list;
+  int last_diagonal = 0;              // the candidates are blocks 0 .. last_diagonal
+  // The first of the list's stride rows that may see a column of block last_diagonal. The rows
+  // before it (only where the prefix is not a multiple of 128: the block starts past their first
+  // query) have no bm there, which the scoring pass does not write, and count as -inf. Every row
+  // sees a column of each earlier block, which starts at or before the block's first query.
+  int last_diagonal_first_row = 0;
   int num_rows = 0;                   // stride rows of the block (fewer in a sequence's last block)
   bool valid = false;                 // false for padding rows past the batch's query blocks
 };
@@ -77,8 +83,12 @@ __device__ __forceinline__ SelectList locate_list(const KapDeviceArgs& args, int
   list.block_max = args.block_max + first_row * L.max_k_blocks;
   list.row_max = args.row_max + first_row;
   const QueryBlock block = locate_query_block(L, q_block);
-  list.diagonal = block.diagonal;
+  list.first_diagonal = block.first_diagonal;
+  list.last_diagonal = block.last_diagonal;
   const int rows_before = block.block_in_seq * kRowsPerBlock;  // stride rows of earlier blocks
+  // Block j starts at stride column j * 128 / s, which row r sees iff it is at most r + floor(P / s).
+  const int prefix_cols = prefix_stride_cols<kStride>(block.seqlen_q, block.seqlen_k);
+  list.last_diagonal_first_row = max(0, block.last_diagonal * kRowsPerBlock - prefix_cols - rows_before);
   list.num_rows = min(kRowsPerBlock, (block.seqlen_q + kStride - 1) / kStride - rows_before);
   list.valid = block.valid;
   return list;
@@ -126,11 +136,13 @@ __device__ __forceinline__ void stage_row_max(const SelectList& list, float* row
 // S[j] and H[j] summed over rows r0 .. r0+kRows-1 of the list (rm staged in `row_max`). With
 // kAllRows the caller knows every row exists, so all the loads issue before the first use; otherwise
 // rows past num_rows read row 0 and are dropped (a load guarded by its own branch would wait for
-// the one before it).
+// the one before it). Rows before `first_allowed_row` have no allowed column in block j: their
+// loads read what the scoring pass did not write, and are replaced by -inf, which adds
+// exp(-inf - rm[r]) as the reference does (0, or NaN for a row without a maximum).
 template <int kRows, bool kAllRows>
 __device__ __forceinline__ void accumulate_rows(const SelectList& list, const float* row_max,
-                                                int max_k_blocks, int j, int r0, float& score,
-                                                bool& hrm) {
+                                                int max_k_blocks, int j, int first_allowed_row,
+                                                int r0, float& score, bool& hrm) {
   float v[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -139,6 +151,7 @@ __device__ __forceinline__ void accumulate_rows(const SelectList& list, const fl
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
+    if (r0 + r < first_allowed_row) v[r] = -INFINITY;
     if (kAllRows || r0 + r < list.num_rows) {
       score += __expf(v[r] - row_max[r0 + r]);
       hrm |= (v[r] == row_max[r0 + r]);
@@ -156,48 +169,80 @@ __device__ __forceinline__ uint64_t candidate_key(const SelectList& list, const 
   constexpr int kBatch = kRows < 16 ? kRows : 16;
   float score = 0.f;
   bool hrm = false;
+  const int first_allowed_row = j == list.last_diagonal ? list.last_diagonal_first_row : 0;
   if (list.num_rows == kRows) {
 #pragma unroll
     for (int r0 = 0; r0 < kRows; r0 += kBatch)
-      accumulate_rows<kBatch, true>(list, row_max, max_k_blocks, j, r0, score, hrm);
+      accumulate_rows<kBatch, true>(list, row_max, max_k_blocks, j, first_allowed_row, r0, score, hrm);
   } else {
 #pragma unroll
     for (int r0 = 0; r0 < kRows; r0 += kBatch)
-      accumulate_rows<kBatch, false>(list, row_max, max_k_blocks, j, r0, score, hrm);
+      accumulate_rows<kBatch, false>(list, row_max, max_k_blocks, j, first_allowed_row, r0, score, hrm);
   }
   return select_key(hrm, score, j);
 }
 
+// The sort positions of the forced blocks: the sink (block 0) and the two diagonal blocks, which
+// may be one block, or block 0 itself. No member initialisers, so that the block kernel can hold
+// one in shared memory; none() is the value before any position is noted.
+struct ForcedPositions {
+  int sink;
+  int first_diagonal;
+  int last_diagonal;
+  __device__ __forceinline__ static ForcedPositions none() { return {-1, -1, -1}; }
+  // Records sort position `pos` if it holds one of the forced blocks.
+  __device__ __forceinline__ void note(const SelectList& list, int block, int pos) {
+    if (block == 0) sink = pos;
+    if (block == list.first_diagonal) first_diagonal = pos;
+    if (block == list.last_diagonal) last_diagonal = pos;
+  }
+};
+
 // Which sort positions a list keeps: 0 .. last_kept (the top-p prefix and the HRM prefix), then the
-// forced sink and diagonal blocks where they lie past it, in sort order.
+// forced blocks that lie past it, each once, in sort order.
 struct KeptPositions {
   int last_kept = 0;
   int extra_first = -1;
   int extra_second = -1;
+  int extra_third = -1;
   int count = 0;  // list length
   // Sort position of list entry k < count.
   __device__ __forceinline__ int position(int k) const {
-    return k <= last_kept ? k : (k == last_kept + 1 ? extra_first : extra_second);
+    return k <= last_kept ? k
+                          : (k == last_kept + 1 ? extra_first : (k == last_kept + 2 ? extra_second : extra_third));
   }
 };
 
-// first_reached: the first sort position whose cumulative S reaches top_p * T; sink_pos and
-// diagonal_pos: the sort positions of blocks 0 and `diagonal`.
+// first_reached: the first sort position whose cumulative S reaches top_p * T.
 __device__ __forceinline__ KeptPositions kept_positions(float top_p, int num_candidates,
                                                         int first_reached, int hrm_count,
-                                                        int sink_pos, int diagonal_pos) {
+                                                        const ForcedPositions& forced) {
   KeptPositions kept;
   // top_p >= 1 keeps every candidate, zero scores included (the spec's "p = 1 keeps every
   // candidate"; the shortest prefix reaching T would stop before trailing zero scores).
   const int prefix_last =
       top_p >= 1.f ? num_candidates - 1 : min(first_reached, num_candidates - 1);
   kept.last_kept = max(prefix_last, hrm_count - 1);
-  const int p0 = min(sink_pos, diagonal_pos), p1 = max(sink_pos, diagonal_pos);
-  if (p0 > kept.last_kept) kept.extra_first = p0;
-  if (p1 > kept.last_kept && p1 != p0) {
-    if (kept.extra_first < 0) kept.extra_first = p1; else kept.extra_second = p1;
-  }
-  kept.count = kept.last_kept + 1 + (kept.extra_first >= 0) + (kept.extra_second >= 0);
+  // The three positions in ascending order (a sorting network of three compare-exchanges), then
+  // those past the prefix appended in that order, a repeated position once.
+  int p0 = forced.sink, p1 = forced.first_diagonal, p2 = forced.last_diagonal;
+  auto order_ascending = [](int& a, int& b) {
+    const int low = min(a, b);
+    b = max(a, b);
+    a = low;
+  };
+  order_ascending(p0, p1);
+  order_ascending(p1, p2);
+  order_ascending(p0, p1);
+  auto append = [&](int pos) {
+    if (kept.extra_first < 0) kept.extra_first = pos;
+    else if (kept.extra_second < 0) kept.extra_second = pos;
+    else kept.extra_third = pos;
+  };
+  if (p0 > kept.last_kept) append(p0);
+  if (p1 > kept.last_kept && p1 != p0) append(p1);
+  if (p2 > kept.last_kept && p2 != p1) append(p2);
+  kept.count = kept.last_kept + 1 + (kept.extra_first >= 0) + (kept.extra_second >= 0) + (kept.extra_third >= 0);
   return kept;
 }
 
@@ -228,21 +273,20 @@ __device__ __forceinline__ void select_list_block(const KapDeviceArgs& args, int
   }
   if (tid == 0) wait_until_scored(args, counter, done);
   __syncthreads();
-  const int diagonal = list.diagonal;
-  const int num_candidates = diagonal + 1;  // every candidate is allowed for every row
+  const int num_candidates = list.last_diagonal + 1;
 
   extern __shared__ uint64_t keys[];
   __shared__ float row_max[kRowsPerBlock];
   __shared__ float warp_sums[kWarps];
-  __shared__ int first_reached, hrm_count, sink_pos, diagonal_pos;
+  __shared__ int first_reached, hrm_count;
+  __shared__ ForcedPositions forced;
   __shared__ float total_score;
 
   stage_row_max<kStride>(list, row_max, tid);
   if (tid == 0) {
     first_reached = 0x7FFFFFFF;
     hrm_count = 0;
-    sink_pos = -1;
-    diagonal_pos = -1;
+    forced = ForcedPositions::none();
   }
   __syncthreads();
 
@@ -322,16 +366,11 @@ __device__ __forceinline__ void select_list_block(const KapDeviceArgs& args, int
         break;
       }
     }
-    for (int k = run_begin; k < run_end; ++k) {
-      const int block = key_block(keys[k]);
-      if (block == 0) sink_pos = k;
-      if (block == diagonal) diagonal_pos = k;
-    }
+    for (int k = run_begin; k < run_end; ++k) forced.note(list, key_block(keys[k]), k);
   }
   __syncthreads();
 
-  const KeptPositions kept =
-      kept_positions(args.top_p, num_candidates, first_reached, hrm_count, sink_pos, diagonal_pos);
+  const KeptPositions kept = kept_positions(args.top_p, num_candidates, first_reached, hrm_count, forced);
   for (int k = tid; k < kept.count; k += kSelectThreads) {
     list.order_row[k] = key_block(keys[kept.position(k)]);
   }
@@ -421,7 +460,7 @@ __device__ __forceinline__ void warp_bitonic_sort(uint64_t (&key)[kElems], int l
 template <int kElems>
 __device__ __forceinline__ void select_list_warp(const KapDeviceArgs& args, const SelectList& list,
                                                  const uint64_t* staged, int hrm_local, int lane) {
-  const int num_candidates = list.diagonal + 1;
+  const int num_candidates = list.last_diagonal + 1;
   // Any initial placement is fine for the sort; positions past the candidates hold zero keys,
   // which sort last.
   uint64_t key[kElems];
@@ -447,30 +486,30 @@ __device__ __forceinline__ void select_list_warp(const KapDeviceArgs& args, cons
   const float total = __shfl_sync(0xffffffffu, inclusive, 31);
   const float threshold = args.top_p * total;
   float cumulative = inclusive - run_sum;
-  int first_reached = 0x7FFFFFFF, sink_pos = -1, diagonal_pos = -1;
+  int first_reached = 0x7FFFFFFF;
+  ForcedPositions forced = ForcedPositions::none();
 #pragma unroll
   for (int e = 0; e < kElems; ++e) {
     const int pos = lane * kElems + e;
     cumulative += key_score(key[e]);
     if (pos < num_candidates) {
       if (cumulative >= threshold && first_reached == 0x7FFFFFFF) first_reached = pos;
-      const int block = key_block(key[e]);
-      if (block == 0) sink_pos = pos;
-      if (block == list.diagonal) diagonal_pos = pos;
+      forced.note(list, key_block(key[e]), pos);
     }
   }
   first_reached = __reduce_min_sync(0xffffffffu, first_reached);
-  sink_pos = __reduce_max_sync(0xffffffffu, sink_pos);
-  diagonal_pos = __reduce_max_sync(0xffffffffu, diagonal_pos);
+  forced.sink = __reduce_max_sync(0xffffffffu, forced.sink);
+  forced.first_diagonal = __reduce_max_sync(0xffffffffu, forced.first_diagonal);
+  forced.last_diagonal = __reduce_max_sync(0xffffffffu, forced.last_diagonal);
 
-  const KeptPositions kept =
-      kept_positions(args.top_p, num_candidates, first_reached, hrm_count, sink_pos, diagonal_pos);
+  const KeptPositions kept = kept_positions(args.top_p, num_candidates, first_reached, hrm_count, forced);
 #pragma unroll
   for (int e = 0; e < kElems; ++e) {
     const int pos = lane * kElems + e;
     if (pos <= kept.last_kept) list.order_row[pos] = key_block(key[e]);
     if (pos == kept.extra_first) list.order_row[kept.last_kept + 1] = key_block(key[e]);
     if (pos == kept.extra_second) list.order_row[kept.last_kept + 2] = key_block(key[e]);
+    if (pos == kept.extra_third) list.order_row[kept.last_kept + 3] = key_block(key[e]);
   }
   finish_list(list, args.layout.max_k_blocks, kept.count, lane, 32);
 }
@@ -481,7 +520,7 @@ template <int kElems, int kMaxElems>
 __device__ __forceinline__ void select_list_fitting(const KapDeviceArgs& args, const SelectList& list,
                                                     const uint64_t* staged, int hrm_local, int lane) {
   if constexpr (kElems < kMaxElems) {
-    if (list.diagonal + 1 > 32 * kElems) {
+    if (list.last_diagonal + 1 > 32 * kElems) {
       select_list_fitting<2 * kElems, kMaxElems>(args, list, staged, hrm_local, lane);
       return;
     }
@@ -507,7 +546,7 @@ __device__ __forceinline__ void select_list_of_warp(const KapDeviceArgs& args, i
   }
   if (lane == 0) wait_until_scored(args, counter, done);
   __syncwarp();
-  const int num_candidates = list.diagonal + 1;  // every candidate is allowed for every row
+  const int num_candidates = list.last_diagonal + 1;
 
   __shared__ float row_max_all[kSelectWarps][kRowsPerBlock];
   __shared__ uint64_t staged_all[kSelectWarps][32 * kMaxElems];

@@ -209,6 +209,14 @@ __device__ __forceinline__ int find_sequence(const int32_t* start, int batch, in
   return lo;
 }
 
+// floor(P / s) for a sequence of len_q queries and len_k keys: stride row r may see stride column c
+// iff c <= r + floor(P / s) (spec section 2), in the scoring kernels' epilogues and the select
+// kernels alike.
+template <int kStride>
+__device__ __forceinline__ int prefix_stride_cols(int len_q, int len_k) {
+  return (len_k - len_q) / kStride;
+}
+
 // The row tile of a scoring CTA and its sequence's geometry in stride rows and columns, located
 // once for the kernel body and its completion counters. blockIdx.z counts row tiles from the last (the
 // longest rows first, so that the CTAs with the most column tiles start first), blockIdx.x is the
@@ -219,7 +227,7 @@ struct ScoreRowTile {
   int b = 0;            // the sequence
   int q_begin = 0;      // its first query token
   int len_q = 0, len_k = 0;
-  int prefix_cols = 0;  // P / s
+  int prefix_cols = 0;  // floor(P / s): prefix_stride_cols
   int num_rows = 0;     // its stride rows
   int row0 = 0, row_last = 0;  // the tile's first and last stride rows in the sequence
   // Stride row r of sequence b is row first_row + r of bm and rm; with the e4m3 proxy its group of
@@ -239,7 +247,7 @@ __device__ __forceinline__ ScoreRowTile locate_score_row_tile(const KapDeviceArg
   t.q_begin = __ldg(L.cu_seqlens_q + t.b);
   t.len_q = __ldg(L.cu_seqlens_q + t.b + 1) - t.q_begin;
   t.len_k = __ldg(L.seqused_k + t.b);
-  t.prefix_cols = (t.len_k - t.len_q) / kStride;
+  t.prefix_cols = prefix_stride_cols<kStride>(t.len_q, t.len_k);
   t.num_rows = (t.len_q + kStride - 1) / kStride;
   t.row0 = (tile - __ldg(args.tile_start + t.b)) * kTileRows;
   t.row_last = min(t.row0 + kTileRows, t.num_rows) - 1;

@@ -214,7 +214,7 @@ struct OskMainloop {
 
     TileMask mask;
     mask.seqlen_k = t.seqlen_k;
-    mask.diagonal = t.diagonal;
+    mask.first_diagonal = t.first_diagonal;
     bool row_live[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {

@@ -31,7 +31,7 @@ struct OskTile {
   int q_start = 0;       // first token of sequence b in q / out
   int seqlen_q = 0;      // Lq_b
   int seqlen_k = 0;      // Lk_b
-  int diagonal = 0;      // key block aligned with query block i: P_b / 128 + i
+  int first_diagonal = 0;  // the key block of the tile's first query (QueryBlock::first_diagonal)
   int count = 0;         // counts[h, g]
   // The list's first 32 entries, lane l holding entry l (entries past the count are whatever
   // the row holds there, and unused).

@@ -20,14 +20,17 @@ struct AccumulatorLayout {
 };
 
 // Masks a block of S: keys after a row's query (causal, bottom-right aligned) and keys at or past
-// Lk. Only the diagonal block, blocks past it and the block holding Lk need it.
+// Lk. Only the block holding Lk and the blocks from the tile's first diagonal block on need it: a
+// block before it ends before the tile's first query, so every row sees all of its keys, while
+// from it on (both diagonal blocks where the prefix is not a multiple of 128) some row's query
+// may precede some of its keys.
 struct TileMask {
   int query_pos[2];  // key coordinate of each row's query: P_b + i * 128 + row
   int seqlen_k;
-  int diagonal;
+  int first_diagonal;
 
   __device__ bool needed(int block, int block_size) const {
-    return block >= diagonal || (block + 1) * block_size > seqlen_k;
+    return block >= first_diagonal || (block + 1) * block_size > seqlen_k;
   }
 
   template <class FragS>

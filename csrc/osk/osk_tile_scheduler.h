@@ -51,7 +51,7 @@ struct OskTileScheduler {
     t.q_start = block.q_start;
     t.seqlen_q = block.seqlen_q;
     t.seqlen_k = block.seqlen_k;
-    t.diagonal = block.diagonal;
+    t.first_diagonal = block.first_diagonal;
     t.count = count;
     t.first_entries = first_entries;
     t.valid = true;
