@@ -13,8 +13,8 @@ default chunked prefill:
 - ``ttft``: time to first token of one request (``max_tokens=1``) at ``--lengths``, the median of
   ``--reps`` prompts after one warm-up prompt;
 - ``batch``: ``--batch`` needle prompts of mixed lengths submitted at once, which makes the
-  scheduler cut chunks at arbitrary token counts (after prefixes of any length, which CoSA takes):
-  the routing counts say how many chunks and tokens ran on CoSA and on FlashAttention, and why.
+  scheduler cut chunks at arbitrary token counts: the routing counts say how many long chunks
+  CoSA could not take because their prefix is not a multiple of 128.
 With ``--long-lengths`` a second pair of engines measures time to first token past the model's
 32K positions with YaRN rope scaling (``--yarn-factor``), as Qwen2.5 documents it. With
 ``--tensor-parallel-size N`` each engine shards the model over N GPUs (vLLM's workers, one process

@@ -63,9 +63,7 @@ DOCUMENTS = 4
 NEEDLES_PER_DOCUMENT = 12
 LONG_SPAN = 0.92  # the long prompts' lengths: [LONG_SPAN * --long-length, --long-length]
 VLLM_BLOCK = 16  # vLLM's default KV block: prefix caching hits whole blocks of it
-# CoSA's key blocks: a cached prefix that ends inside one gives the chunk's query blocks two
-# diagonal blocks each (docs/spec.md section 1), the case the soak's shared documents exercise.
-COSA_BLOCK = 128
+COSA_BLOCK = 128  # CoSA's query blocks start on multiples of 128 keys (docs/vllm.md, the alignment piece)
 # What the allocator may hold more at the end than after the warm-up without counting as a leak: vLLM
 # allocates some buffers at the first batch of a size (sampler, logprobs), which no warm-up covers for
 # every size.

@@ -33,26 +33,26 @@ def test_decodes_and_short_prefills_stay_with_flash_attention():
     assert runs_of(r) == [("flash", 0, 2, 0, 101)]
 
 
-def test_a_long_chunk_runs_on_cosa_whatever_its_prefix():
-    # Prefixes of 384, 100 and 1 cached tokens: every chunk whole on CoSA, in one run.
-    r = route(starts(4096, 4096, 1080), torch.tensor([4096 + 128 * 3, 4096 + 100, 1080 + 1]), min_prefill_tokens=1080)
-    assert r.reasons == ("cosa", "cosa", "cosa")
-    assert runs_of(r) == [("cosa", 0, 3, 0, 9272)]
-    assert r.runs[0].max_query_len == 4096 and r.runs[0].max_seq_len == 4096 + 384
-    assert dict(r.tokens) == {"cosa": 9272}
-    # The threshold is on the chunk's queries alone.
-    r = route(starts(1079), torch.tensor([1079 + 100]), min_prefill_tokens=1080)
-    assert r.reasons == ("short_prefill",) and not r.uses_cosa
+def test_an_unaligned_prefix_leaves_its_first_tokens_to_flash_attention():
+    # Prefix 100: FlashAttention runs the 28 tokens up to position 128, CoSA the rest.
+    r = route(starts(4096, 4096), torch.tensor([4096 + 128 * 3, 4096 + 100]), min_prefill_tokens=1024)
+    assert r.reasons == ("cosa", "cosa")
+    assert runs_of(r) == [("cosa", 0, 1, 0, 4096), ("flash", 1, 2, 4096, 4124), ("cosa", 1, 2, 4124, 8192)]
+    assert r.runs[1].last_kv_len == 128 and r.runs[1].max_query_len == 28 and r.runs[2].max_query_len == 4068
+    assert dict(r.tokens) == {"cosa": 4096 + 4068, "alignment_piece": 28}
+    # What is left after the piece must still be long.
+    r = route(starts(1100), torch.tensor([1100 + 100]), min_prefill_tokens=1080)
+    assert r.reasons == ("unaligned_prefix",) and not r.uses_cosa
 
 
 def test_long_chunks_anywhere_in_the_batch_run_on_cosa():
     r = route(starts(1, 5000, 200, 5000, 6000), torch.tensor([77, 5000, 200, 5000 + 250, 6000]),
               min_prefill_tokens=4096)
     assert r.reasons == ("decode", "cosa", "short_prefill", "cosa", "cosa")
-    # Request 3's prefix is 250: it runs whole on CoSA, beside request 4.
-    assert runs_of(r) == [("flash", 0, 1, 0, 1), ("cosa", 1, 2, 1, 5001), ("flash", 2, 3, 5001, 5201),
-                          ("cosa", 3, 5, 5201, 16201)]
-    assert r.runs[2].max_seq_len == 200 and r.runs[3].max_query_len == 6000 and r.runs[3].max_seq_len == 6000
+    # Request 3's prefix is 250: 6 tokens of FlashAttention join the short prefill's run.
+    assert runs_of(r) == [("flash", 0, 1, 0, 1), ("cosa", 1, 2, 1, 5001), ("flash", 2, 4, 5001, 5207),
+                          ("cosa", 3, 5, 5207, 16201)]
+    assert r.runs[2].last_kv_len == 256 and r.runs[2].max_seq_len == 256 and r.runs[3].max_seq_len == 6000
 
 
 def test_empty_padding_requests_are_left_out():
@@ -74,7 +74,7 @@ def test_routing_counts_requests_and_tokens_per_reason():
     counts.add(route(qsl, torch.tensor([50, 300 + 10, 0]), 128))
     snap = counts.snapshot()
     assert snap["requests"] == {"decode": 2, "cosa": 2}
-    assert snap["tokens"] == {"decode": 2, "cosa": 2 * 300}
+    assert snap["tokens"] == {"decode": 2, "cosa": 300 + 182, "alignment_piece": 118}
 
 
 def test_settings_from_additional_config():
@@ -134,16 +134,16 @@ def test_split_batch_builds_each_runs_metadata_from_the_batchs():
     decode, first, middle, last = parts
     assert decode.metadata.query_start_loc.tolist() == [0, 1] and decode.metadata.seq_lens.tolist() == [77]
     assert first.cu_seqlens_q.tolist() == [0, 5000] and first.seqused_k.tolist() == [5000]
-    # The short prefill alone; request 3 (prefix 250) whole in the last CoSA run.
-    assert (middle.token_start, middle.token_stop) == (5001, 5201)
-    assert middle.metadata.query_start_loc.tolist() == [0, 200]
-    assert middle.metadata.query_start_loc_cpu.tolist() == [0, 200]
-    assert middle.metadata.seq_lens.tolist() == [200] and middle.metadata.max_seq_len == 200
-    assert middle.metadata.block_table_tensor.tolist() == table[2:3].tolist()
-    assert middle.metadata.slot_mapping.tolist() == list(range(5001, 5201))
+    # The short prefill, then the 6 tokens that bring request 3's prefix (250) to 256.
+    assert (middle.token_start, middle.token_stop) == (5001, 5207)
+    assert middle.metadata.query_start_loc.tolist() == [0, 200, 206]
+    assert middle.metadata.query_start_loc_cpu.tolist() == [0, 200, 206]
+    assert middle.metadata.seq_lens.tolist() == [200, 256] and middle.metadata.max_seq_len == 256
+    assert middle.metadata.block_table_tensor.tolist() == table[2:4].tolist()
+    assert middle.metadata.slot_mapping.tolist() == list(range(5001, 5207))
     assert common.seq_lens.tolist() == kv_lens, "the batch's own tensors must stay unchanged"
-    assert (last.token_start, last.token_stop) == (5201, 16201)
-    assert last.cu_seqlens_q.tolist() == [0, 5000, 11000] and last.seqused_k.tolist() == [5250, 6000]
+    assert (last.token_start, last.token_stop) == (5207, 16201)
+    assert last.cu_seqlens_q.tolist() == [0, 4994, 10994] and last.seqused_k.tolist() == [5250, 6000]
     assert last.page_table.tolist() == table[3:5].tolist() and (last.max_seqlen_q, last.max_seqlen_k) == (6000, 6000)
     assert common.query_start_loc.tolist() == qsl.tolist()
 
@@ -208,9 +208,9 @@ def vllm_cache(k, v, seqlens_k, block_size, generator):
                          ids=["8/2", "12/2", "12/2-tp2", "12/2-tp4", "32/8-tp2", "32/8-tp8"])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_forward_on_vllm_cache_layout_matches_reference(ops, block_size, hq, hkv):
-    """Decodes and two short prefills through vLLM's FlashAttention, four long chunks through CoSA
-    (over prefixes of 256, 100, 0 and 1 tokens) in two runs, in one call; every output row against
-    the reference. Over the head shapes of one rank
+    """Decodes and a short prefill through vLLM's FlashAttention, three long chunks through CoSA (one
+    over an aligned prefix, one over a prefix of 100 tokens, whose first 28 tokens FlashAttention
+    runs), in one call; every output row against the reference. Over the head shapes of one rank
     under tensor parallelism too (vLLM hands a rank Hq / TP query heads and max(1, Hkv / TP) KV heads)."""
     pytest.importorskip("vllm")
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -220,8 +220,8 @@ def test_forward_on_vllm_cache_layout_matches_reference(ops, block_size, hq, hkv
     from cosa.integrations.vllm_backend import CosaAttentionImpl, CosaAttentionMetadata, paged_kv, split_batch
 
     d = 128
-    q_lens = [1, 1, 300, 700, 1501, 200, 900, 777]
-    kv_lens = [900, 45, 300, 700 + 256, 1501 + 100, 200 + 5, 900, 777 + 1]
+    q_lens = [1, 1, 300, 700, 1500, 900]
+    kv_lens = [900, 45, 300, 700 + 256, 1500 + 100, 900]
     gen = torch.Generator().manual_seed(0)
     q = torch.randn((sum(q_lens) + 5, hq, d), generator=gen).to(torch.bfloat16).cuda()  # 5 padding rows
     k = torch.randn((sum(kv_lens), hkv, d), generator=gen).to(torch.bfloat16).cuda()
@@ -299,8 +299,7 @@ def test_builder_keeps_flash_attentions_metadata_without_a_long_prefill(monkeypa
     assert decode.whole_batch is not None and decode.parts == () and built[-1].num_reqs == 2
     mixed = builder.build(0, common([1, 500], [50, 500 + 10]))
     assert mixed.whole_batch is None and [type(p) for p in mixed.parts] == [FlashPart, CosaPart]
-    assert built[-1].query_start_loc_cpu.tolist() == [0, 1]  # the decode; the chunk (prefix 10) whole on CoSA
-    assert (mixed.parts[1].token_start, mixed.parts[1].token_stop) == (1, 501)
+    assert built[-1].query_start_loc_cpu.tolist() == [0, 1, 119]  # the decode, then the alignment piece
     flagged = builder.build(0, common([1, 300], [50, 300], causal=torch.tensor([1, 1], dtype=torch.int32)))
     assert flagged.whole_batch is not None
     assert vllm_plugin.routing_counts()["requests"] == {"decode": 4, "cosa": 1, "layer_unsupported": 1}

@@ -104,14 +104,22 @@ def split_batch(r: vllm_plugin.Route, common: CommonAttentionMetadata,
     starts = common.query_start_loc_cpu
     for run in r.runs:
         reqs = slice(run.first, run.stop)
-        loc = common.query_start_loc[run.first: run.stop + 1] - run.token_start  # offsets in the run's tokens
+        # Offsets of the run's requests in its own tokens; a CoSA run's first request may start
+        # after its alignment piece (clamped to 0), a FlashAttention run's last may end early.
+        loc = common.query_start_loc[run.first: run.stop + 1] - run.token_start
         if run.kind == "cosa":
-            parts.append(CosaPart(run.token_start, run.token_stop, loc, common.seq_lens[reqs],
+            parts.append(CosaPart(run.token_start, run.token_stop, loc.clamp_(min=0), common.seq_lens[reqs],
                                   common.block_table_tensor[reqs], run.max_query_len, run.max_seq_len))
             continue
+        kv = common.seq_lens[reqs]
+        loc_cpu = starts[run.first: run.stop + 1] - run.token_start
+        if run.last_kv_len is not None:
+            loc[-1:].fill_(run.token_stop - run.token_start)
+            loc_cpu[-1] = run.token_stop - run.token_start
+            kv = kv.clone()
+            kv[-1:].fill_(run.last_kv_len)
         run_common = CommonAttentionMetadata(
-            query_start_loc=loc, query_start_loc_cpu=starts[run.first: run.stop + 1] - run.token_start,
-            seq_lens=common.seq_lens[reqs], num_reqs=run.stop - run.first,
+            query_start_loc=loc, query_start_loc_cpu=loc_cpu, seq_lens=kv, num_reqs=run.stop - run.first,
             num_actual_tokens=run.token_stop - run.token_start, max_query_len=run.max_query_len,
             max_seq_len=run.max_seq_len, block_table_tensor=common.block_table_tensor[reqs],
             slot_mapping=common.slot_mapping[run.token_start: run.token_stop])

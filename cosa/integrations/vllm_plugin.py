@@ -13,17 +13,19 @@ block table) for long prefill chunks and vLLM's FlashAttention for everything el
 the rule, kept free of vLLM so that it is tested without it. Each request of each step gets one
 reason:
 
-- ``cosa``: a prefill chunk of at least ``min_prefill_tokens`` queries, whatever its prefix (the
-  tokens already in the cache: vLLM cuts chunked prefills at any token count, and CoSA takes any
-  prefix, docs/spec.md section 1);
+- ``cosa``: a prefill chunk of at least ``min_prefill_tokens`` queries. CoSA needs the chunk's prefix
+  (the tokens already in the cache) to be a multiple of 128 (docs/spec.md section 1); where it is not
+  (vLLM cuts chunked prefills at any token count), FlashAttention runs the chunk's first
+  ``(-prefix) % 128`` tokens (counted as ``alignment_piece`` tokens) and CoSA the rest;
 - ``decode``: one query token;
-- ``short_prefill``: fewer than ``min_prefill_tokens`` queries;
+- ``short_prefill``: fewer than ``min_prefill_tokens`` queries, or fewer once the alignment piece is
+  taken off (``unaligned_prefix``);
 - ``layer_unsupported``: the KV-cache group has a layer CoSA cannot run (sliding window, ALiBi, soft
   cap, attention sinks, a quantised KV cache, a head size other than 64 or 128, or an encoder), or
   the batch has a per-request causal flag or bidirectional multimodal ranges.
 
-Consecutive requests of the same kind form one call: the batch becomes a short sequence of runs,
-each one FlashAttention call or one CoSA call over its tokens.
+Consecutive pieces of the same kind form one call: the batch becomes a short sequence of runs, each
+one FlashAttention call or one CoSA call over its tokens.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from cosa import validation
+from cosa.reference import BLOCK
 from cosa.tuning import Tuning
 
-REASONS = ("cosa", "decode", "short_prefill", "layer_unsupported")
+REASONS = ("cosa", "decode", "short_prefill", "unaligned_prefix", "layer_unsupported")
 BACKEND_CLASS = "cosa.integrations.vllm_backend.CosaAttentionBackend"
 
 
@@ -75,7 +78,9 @@ class Settings(Tuning):
 @dataclass(frozen=True)
 class Run:
     """Tokens ``[token_start, token_stop)`` of the batch, one call of ``kind`` ("flash" or "cosa"):
-    the whole of requests ``[first, stop)``. ``max_query_len`` and ``max_seq_len`` are over them."""
+    the parts of requests ``[first, stop)``. A CoSA run may start after its first request's first
+    tokens (the alignment piece); a FlashAttention run may end with an alignment piece, whose KV
+    length is ``last_kv_len`` (else None). ``max_query_len`` and ``max_seq_len`` are over its parts."""
     kind: str
     first: int
     stop: int
@@ -83,11 +88,13 @@ class Run:
     token_stop: int
     max_query_len: int
     max_seq_len: int
+    last_kv_len: int | None = None
 
 
 @dataclass(frozen=True)
 class Route:
-    """The batch's runs in token order, each request's reason, and the query tokens of each reason."""
+    """The batch's runs in token order, each request's reason, and the tokens of each label
+    (the reasons, plus ``alignment_piece``)."""
     runs: tuple[Run, ...]
     reasons: tuple[str, ...]
     tokens: tuple[tuple[str, int], ...]
@@ -103,22 +110,31 @@ def route(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, min_prefill_tok
     ``seq_lens`` ``[R]`` (the KV length of each request, its new tokens included)."""
     starts = [int(x) for x in query_start_loc.tolist()]
     kv_lens = [int(x) for x in seq_lens.tolist()]
-    parts = []  # (kind, request, token_start, token_stop, kv_len, reason) in token order
+    parts = []  # (kind, request, token_start, token_stop, kv_len, label) in token order
     reasons = []
     for r, kv_len in enumerate(kv_lens):
         q0, q1 = starts[r], starts[r + 1]
         q_len = q1 - q0
+        piece = (q_len - kv_len) % BLOCK  # tokens up to the next multiple of 128 of the prefix
         if q_len <= 1:
             reason = "decode" if q_len else "empty"
         elif q_len < min_prefill_tokens:
             reason = "short_prefill"
         elif not layers_supported:
             reason = "layer_unsupported"
+        elif q_len - piece < min_prefill_tokens:
+            reason = "unaligned_prefix"
         else:
             reason = "cosa"
         reasons.append(reason)
-        if reason != "empty":
-            parts.append(("cosa" if reason == "cosa" else "flash", r, q0, q1, kv_len, reason))
+        if reason == "empty":
+            continue
+        if reason != "cosa":
+            parts.append(("flash", r, q0, q1, kv_len, reason))
+            continue
+        if piece:
+            parts.append(("flash", r, q0, q0 + piece, kv_len - q_len + piece, "alignment_piece"))
+        parts.append(("cosa", r, q0 + piece, q1, kv_len, "cosa"))
 
     runs, tokens = [], collections.Counter()
     i = 0
@@ -129,8 +145,10 @@ def route(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, min_prefill_tok
         group = parts[i:j + 1]
         kind, first, token_start = group[0][0], group[0][1], group[0][2]
         last = group[-1]
+        partial_end = kind == "flash" and last[3] < starts[last[1] + 1]
         runs.append(Run(kind, first, last[1] + 1, token_start, last[3],
-                        max(p[3] - p[2] for p in group), max(p[4] for p in group)))
+                        max(p[3] - p[2] for p in group), max(p[4] for p in group),
+                        last[4] if partial_end else None))
         for p in group:
             tokens[p[5]] += p[3] - p[2]
         i = j + 1
