@@ -12,8 +12,8 @@ function runs CoSA (``cosa.sparse_attention``: KAP then OSK) when all of these h
 
 - the call is a prefill of at least ``min_prefill_tokens`` query tokens;
 - the attention is plain causal: no mask (the model's own causal mask skipped, as for SDPA), or a
-  4-D mask that is exactly bottom-right causal (chunked prefill over a cached prefix of any length,
-  docs/spec.md section 1);
+  4-D mask that is exactly bottom-right causal (chunked prefill over a cached prefix), with the
+  prefix a multiple of 128 tokens (docs/spec.md section 1);
 - no sliding window, no dropout, no attention weights requested, bf16/fp16, head dim 64 or 128;
 - no gradient is needed (the ops have no backward: training and fine-tuning stay dense).
 
@@ -43,6 +43,7 @@ import cosa
 from cosa import reference, validation
 from cosa.tuning import Tuning
 from cosa.layout import paged_from_contiguous
+from cosa.reference import BLOCK
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Rows of a 4-D mask compared with the causal pattern at once (bounds the temporary's size).
@@ -139,8 +140,9 @@ class CosaAttention(AttentionOverride):
         ``decode`` (a decode step: one query token), ``short_prompt`` (a prefill shorter than
         ``min_prefill_tokens``), ``sliding_window``, ``dropout`` (training with dropout),
         ``output_attentions`` (attention weights requested), ``grad`` (a gradient is needed),
-        ``not_causal``, ``dtype`` (not bf16/fp16), ``head_dim`` (not 64 or 128) or ``unsupported_mask`` (a mask other
-        than plain causal, e.g. padding). With statistics on, also the mean stage-1 and realised budgets over the sparse
+        ``not_causal``, ``dtype`` (not bf16/fp16), ``head_dim`` (not 64 or 128), ``unsupported_mask`` (a mask other than plain
+        causal, e.g. padding) or ``unaligned_prefix`` (a cached prefix that is not a multiple of 128
+        tokens). With statistics on, also the mean stage-1 and realised budgets over the sparse
         calls, overall and per layer."""
         out = {"sparse_calls": self.sparse_calls, "dense_calls": self.dense_calls,
                "dense_reasons": dict(self.dense_reasons)}
@@ -257,7 +259,9 @@ def _sparse_prefix(module, query, key, value, attention_mask, dropout, settings:
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         return None, "unsupported_mask"
     prefix = seqlen_kv - seqlen_q
-    if prefix < 0 or not _mask_is_bottom_right_causal(attention_mask, seqlen_q, seqlen_kv):
+    if prefix < 0 or prefix % BLOCK:
+        return None, "unaligned_prefix"
+    if not _mask_is_bottom_right_causal(attention_mask, seqlen_q, seqlen_kv):
         return None, "unsupported_mask"
     return prefix, None
 
@@ -304,7 +308,7 @@ def _is_bottom_right_causal(mask: torch.Tensor, seqlen_q: int, seqlen_kv: int) -
 
 
 def _sparse(module, q, k, v, scaling, settings: Settings):
-    """CoSA on ``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]`` (Sk >= Sq): KAP + OSK,
+    """CoSA on ``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]`` (Sk - Sq a multiple of 128): KAP + OSK,
     or the block selector's lists + OSK. Returns ``([B, Sq, Hq, d], stats)``."""
     if settings.block_selector is None:
         result = cosa.sparse_attention(q, k, v, stride=settings.stride, top_p=settings.top_p,
@@ -324,8 +328,8 @@ def _sparse(module, q, k, v, scaling, settings: Settings):
                                 softmax_scale=scaling, delta=settings.delta, vote=settings.vote)
         outs.append(out)
         if settings.collect_stats:
-            last = reference.diagonal_blocks(k.shape[1] - q.shape[1], q.shape[1])[1]
-            causal += q.shape[2] * int((last + 1).sum())
+            nq = reference.cdiv(q.shape[1], BLOCK)
+            causal += q.shape[2] * (nq * ((k.shape[1] - q.shape[1]) // BLOCK) + nq * (nq + 1) // 2)
             visited += int(counts.sum())
             skipped += int(skip.sum())
     stats = {}
