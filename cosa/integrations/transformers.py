@@ -13,7 +13,8 @@ function runs CoSA (``cosa.sparse_attention``: KAP then OSK) when all of these h
 - the call is a prefill of at least ``min_prefill_tokens`` query tokens;
 - the attention is plain causal: no mask (the model's own causal mask skipped, as for SDPA), or a
   4-D mask that is exactly bottom-right causal (chunked prefill over a cached prefix), with the
-  prefix a multiple of 128 tokens (docs/spec.md section 1);
+  prefix a multiple of 128 tokens (the ops take any prefix, docs/spec.md section 1, but their
+  kernels' path for an unaligned one has not yet run on a GPU: such calls stay dense);
 - no sliding window, no dropout, no attention weights requested, bf16/fp16, head dim 64 or 128;
 - no gradient is needed (the ops have no backward: training and fine-tuning stay dense).
 
@@ -308,7 +309,7 @@ def _is_bottom_right_causal(mask: torch.Tensor, seqlen_q: int, seqlen_kv: int) -
 
 
 def _sparse(module, q, k, v, scaling, settings: Settings):
-    """CoSA on ``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]`` (Sk - Sq a multiple of 128): KAP + OSK,
+    """CoSA on ``q [B, Sq, Hq, d]``, ``k, v [B, Sk, Hkv, d]`` (Sk - Sq a multiple of 128, as routed): KAP + OSK,
     or the block selector's lists + OSK. Returns ``([B, Sq, Hq, d], stats)``."""
     if settings.block_selector is None:
         result = cosa.sparse_attention(q, k, v, stride=settings.stride, top_p=settings.top_p,

@@ -13,10 +13,12 @@ block table) for long prefill chunks and vLLM's FlashAttention for everything el
 the rule, kept free of vLLM so that it is tested without it. Each request of each step gets one
 reason:
 
-- ``cosa``: a prefill chunk of at least ``min_prefill_tokens`` queries. CoSA needs the chunk's prefix
-  (the tokens already in the cache) to be a multiple of 128 (docs/spec.md section 1); where it is not
-  (vLLM cuts chunked prefills at any token count), FlashAttention runs the chunk's first
-  ``(-prefix) % 128`` tokens (counted as ``alignment_piece`` tokens) and CoSA the rest;
+- ``cosa``: a prefill chunk of at least ``min_prefill_tokens`` queries. Where the chunk's prefix (the
+  tokens already in the cache) is not a multiple of 128 (vLLM cuts chunked prefills at any token
+  count), FlashAttention runs the chunk's first ``(-prefix) % 128`` tokens (counted as
+  ``alignment_piece`` tokens) and CoSA the rest: the ops take any prefix (docs/spec.md section 1),
+  but their kernels' path for an unaligned one has not yet run on a GPU, so serving keeps the
+  measured one;
 - ``decode``: one query token;
 - ``short_prefill``: fewer than ``min_prefill_tokens`` queries, or fewer once the alignment piece is
   taken off (``unaligned_prefix``);
