@@ -81,9 +81,23 @@ def assert_matches_reference(p, got, order, counts, delta, check_skips=True, vot
     lse_err = float((lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0
     assert lse_err < 1e-3, f"lse error {lse_err:.3e}"
     if check_skips:
-        assert torch.equal(skipped, ref_skipped), (
-            f"skip counts differ on {int((skipped != ref_skipped).sum())} tiles "
-            f"(kernel {int(skipped.sum())}, reference {int(ref_skipped.sum())})")
+        assert_skips_equal(skipped, ref_skipped)
+
+
+def assert_skips_equal(skipped, ref_skipped):
+    assert torch.equal(skipped, ref_skipped), (
+        f"skip counts differ on {int((skipped != ref_skipped).sum())} tiles "
+        f"(kernel {int(skipped.sum())}, reference {int(ref_skipped.sum())})")
+
+
+def check_osk_on_kap_lists(ops, p, structured, check):
+    """OSK on KAP's lists of ``p`` against the reference, by ``check(p, got, order, counts, delta,
+    check_skips, vote)``: the skip off (delta 0), then on (delta 100 < N: tau = ln(100 / N)) with each
+    vote. Random inputs can put a block right at the threshold, so skip counts are compared on
+    structured inputs only."""
+    order, counts = run_kap(p)
+    for delta, vote in ((0.0, "warpgroup"), (100.0, "warpgroup"), (100.0, "tile")):
+        check(p, osk(ops, p, order, counts, delta, vote), order, counts, delta, structured or delta == 0, vote)
 
 
 # (seqlens_q, seqlens_k, Hq, Hkv, head_dim, page_size, dtype): odd lengths, varlen batches,
@@ -118,9 +132,9 @@ UNALIGNED_SHAPES = [
 ]
 
 
-def assert_rows_match_reference(p, got, order, counts, delta, vote="warpgroup"):
+def assert_rows_match_reference(p, got, order, counts, delta, check_skips=False, vote="warpgroup"):
     """Row by row: every (token, head) row of out and every lse within tolerance of the reference
-    (-inf lse, and out 0, on rows that the lists give no key)."""
+    (-inf lse, and out 0, on rows that the lists give no key); with check_skips, the skip counts."""
     out, lse, skipped = got
     ref_out, ref_lse, ref_skipped = run_osk(p, order, counts, delta=delta, vote=vote)
     assert out.shape == p["q"].shape and out.dtype == p["q"].dtype
@@ -129,7 +143,8 @@ def assert_rows_match_reference(p, got, order, counts, delta, vote="warpgroup"):
     assert not lse.isnan().any()
     finite = torch.isfinite(ref_lse)
     assert_rows_close(lse[finite][:, None], ref_lse[finite][:, None], atol=1e-3, what="lse")
-    return ref_skipped
+    if check_skips:
+        assert_skips_equal(skipped, ref_skipped)
 
 
 @pytest.mark.parametrize("shape", UNALIGNED_SHAPES, ids=shape_id)
@@ -151,12 +166,7 @@ def test_dense_lists_match_reference_for_any_prefix(ops, shape):
 def test_kap_lists_match_reference_for_any_prefix(ops, shape, structure):
     lq, lk, hq, hkv, d, ps, dt = shape
     p = problem(lq, lk, hq, hkv, d, ps, dt, structure=structure, seed=12)
-    order, counts = run_kap(p)
-    for delta, vote in ((0.0, "warpgroup"), (100.0, "warpgroup"), (100.0, "tile")):
-        got = osk(ops, p, order, counts, delta, vote)
-        ref_skipped = assert_rows_match_reference(p, got, order, counts, delta, vote)
-        if structure is not None or delta == 0:
-            assert torch.equal(got[2], ref_skipped), "skip counts differ"
+    check_osk_on_kap_lists(ops, p, structure is not None, assert_rows_match_reference)
 
 
 def lists_of_last_diagonal_block_first(p, order, counts, only=False):
@@ -181,7 +191,8 @@ def test_lists_that_start_on_the_last_diagonal_block(ops, shape, only):
     order, counts = lists_of_last_diagonal_block_first(p, *run_kap(p), only=only)
     for delta in (0.0, 100.0):
         for vote in VOTES:
-            assert_rows_match_reference(p, osk(ops, p, order, counts, delta, vote), order, counts, delta, vote)
+            assert_rows_match_reference(p, osk(ops, p, order, counts, delta, vote), order, counts, delta,
+                                        vote=vote)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
@@ -199,13 +210,7 @@ def test_dense_lists_match_reference(ops, shape):
 def test_kap_lists_match_reference(ops, shape, structure):
     lq, lk, hq, hkv, d, ps, dt = shape
     p = problem(lq, lk, hq, hkv, d, ps, dt, structure=structure, seed=2)
-    order, counts = run_kap(p)
-    # delta 0: no skip; delta 100 < N: the skip is on (tau = ln(100 / N)). Random inputs can put a
-    # block right at the threshold, so skip counts are compared on the structured inputs only.
-    for delta, vote in ((0.0, "warpgroup"), (100.0, "warpgroup"), (100.0, "tile")):
-        got = osk(ops, p, order, counts, delta, vote)
-        assert_matches_reference(p, got, order, counts, delta, check_skips=structure is not None or delta == 0,
-                                 vote=vote)
+    check_osk_on_kap_lists(ops, p, structure is not None, assert_matches_reference)
 
 
 @pytest.mark.parametrize("vote", VOTES)
